@@ -1,0 +1,135 @@
+"""Frozen descriptions of a model and of an engine.
+
+`ModelConfig` is what the weight loaders produce (from a GGUF file's metadata or an HF
+config.json) and what the model is built from; `EngineConfig` sizes the block pool and the
+scheduler. Both are plain frozen dataclasses: the pydantic boundary lives in deploy/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling` fields. `rope_type` is "default", "linear" or "llama3"."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "RopeScaling":
+        if not d:
+            return cls()
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (default, linear, llama3)")
+        return cls(
+            rope_type=rope_type,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family model (dense, or Mixtral-style MoE when num_experts > 0)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
+        assert self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
+        """Reads a `config.json` of LlamaForCausalLM or MixtralForCausalLM."""
+        archs = cfg.get("architectures") or []
+        if archs and not any(a in ("LlamaForCausalLM", "MixtralForCausalLM", "MistralForCausalLM") for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; ferry serves Llama and Mixtral layouts")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling.from_dict(cfg.get("rope_scaling")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            num_experts=int(cfg.get("num_local_experts", 0) or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of one engine: its KV block pool and its per-step budgets."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's context length
+    dtype: str = "float32"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        parse_dtype(self.dtype)
