@@ -88,6 +88,11 @@ class ModelConfig:
         if archs and not any(a in ("LlamaForCausalLM", "MixtralForCausalLM", "MistralForCausalLM") for a in archs):
             raise ValueError(f"unsupported architecture {archs}; ferry serves Llama and Mixtral layouts")
         num_heads = int(cfg["num_attention_heads"])
+        # transformers 5 nests rope fields under `rope_parameters`; older files use top-level
+        # `rope_theta` and `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = cfg.get("rope_scaling") or rope
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -100,9 +105,9 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=RopeScaling.from_dict(cfg.get("rope_scaling")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=RopeScaling.from_dict(rope_scaling),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             num_experts=int(cfg.get("num_local_experts", 0) or 0),

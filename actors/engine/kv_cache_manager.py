@@ -1,0 +1,109 @@
+"""Maps requests to KV blocks: prefix lookup, slot allocation, caching of full blocks, freeing.
+
+A request's blocks are `blocks[req_id]`, in token order; token at position p lives in slot
+`blocks[p // block_size].block_id * block_size + p % block_size`. Prefix reuse: the chained hashes
+of a request's full prompt blocks are looked up in the pool until the first miss; those blocks are
+shared (refcount +1) and their tokens are not computed again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.engine.block_pool import Block, BlockPool
+from actors.engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    num_queried_tokens: int
+    num_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self._blocks: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of a request registered in the pool
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of the request, as (blocks, num_tokens). At least one token is
+        always left to compute: the engine needs the last position's logits."""
+        if not self.enable_caching:
+            return [], 0
+        hits: list[Block] = []
+        for block_hash in request.block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= request.num_tokens:
+            hits.pop()
+        self._queried_tokens += request.num_tokens
+        self._hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None
+    ) -> bool:
+        """Makes room for `num_new_tokens` after the request's computed tokens (plus, on first
+        admission, its cached `computed_blocks`). Returns False, changing nothing, when the pool
+        cannot hold them."""
+        computed_blocks = computed_blocks or []
+        held = self._blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(held) - len(computed_blocks))
+        # Cached blocks we are about to revive are counted in the free queue: don't count them twice.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+            return False
+        if computed_blocks:
+            assert not held, "cached prefix blocks are only taken at first admission"
+            self.pool.touch(computed_blocks)
+            held = list(computed_blocks)
+            self._num_cached[request.request_id] = len(computed_blocks)
+        self._blocks[request.request_id] = held + self.pool.allocate(num_new_blocks)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Registers the request's full blocks whose KV is now computed under their hashes."""
+        if not self.enable_caching:
+            return
+        blocks = self._blocks[request.request_id]
+        done = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_cached.get(request.request_id, 0)
+        for i in range(start, done):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached[request.request_id] = max(start, done)
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, [])]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._queried_tokens, self._hit_tokens)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (block, refs.get(block.block_id))

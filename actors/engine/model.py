@@ -1,0 +1,244 @@
+"""Llama-family decoder (dense SwiGLU or Mixtral-style top-k MoE) over a paged KV cache.
+
+The forward pass takes a flat, ragged batch: all new tokens of all scheduled sequences in one
+[num_tokens] vector, with their positions. Each layer writes the new tokens' K/V into the paged
+cache and attends through `kernels/`, so prefill chunks, decodes and prefix-cache hits are the same
+code path. Logits are computed only for the rows in `logits_indices` (the last new token of each
+sequence that is due a sample), which keeps the 49k-wide head off the prefill tokens.
+
+Weights are loaded by HF name (see `load_weights`); Q/K/V and gate/up are fused into one matmul
+each at load time, which matters on CPU where every op has a fixed cost.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.engine.config import ModelConfig
+from kernels import AttentionMetadata, paged_attention, write_kv
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, Hkv, D],) * 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference implementation does; cast back before the scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """rotate_half RoPE (HF layout) with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, D]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed SwiGLU experts, Mixtral semantics (softmax over all experts, then renormalised
+    over the chosen k). Experts run one by one on the tokens routed to them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, gate|up, H]
+        self.w2 = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        top_w, top_e = probs.topk(self.top_k, dim=-1)  # [T, k]
+        top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in top_e.unique().tolist():
+            rows, slot = (top_e == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, rows, y * top_w[rows, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = SparseMoE(cfg) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S_out]
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv_cache, meta)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()  # [S_out, V]
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copies HF-named tensors in, fusing q/k/v, gate/up and per-expert weights. Accepts both
+        the Mixtral checkpoint layout (block_sparse_moe.experts.j.w1/w2/w3) and transformers 5's
+        fused one (mlp.experts.gate_up_proj/down_proj). Every parameter must be covered."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor, rows: slice | None = None) -> None:
+            p = params[name]
+            target = p.data if rows is None else p.data[rows]
+            assert target.shape == value.shape, f"{name}: expected {tuple(target.shape)}, got {tuple(value.shape)}"
+            target.copy_(value)
+            loaded.add(name)
+
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+        expert_rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter)}
+        for name, value in tensors.items():
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            name = name.removeprefix("model.")
+            if m := re.fullmatch(r"(layers\.\d+)\.self_attn\.([qkv]_proj)\.(weight|bias)", name):
+                put(f"{m[1]}.self_attn.qkv_proj.{m[3]}", value, qkv_rows[m[2]])
+            elif m := re.fullmatch(r"(layers\.\d+)\.mlp\.(gate|up)_proj\.weight", name):
+                put(f"{m[1]}.mlp.gate_up_proj.weight", value, slice(0, inter) if m[2] == "gate" else slice(inter, 2 * inter))
+            elif m := re.fullmatch(r"(layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name):
+                e = int(m[2])
+                if m[3] == "w2":
+                    self._put_expert(params, f"{m[1]}.mlp.w2", e, value, None, loaded)
+                else:
+                    self._put_expert(params, f"{m[1]}.mlp.w13", e, value, expert_rows[m[3]], loaded)
+            elif m := re.fullmatch(r"(layers\.\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight", name):
+                put(f"{m[1]}.mlp.gate.weight", value)
+            elif m := re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
+                put(f"{m[1]}.mlp.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", value)
+            elif name == "embed_tokens.weight" or name in params:
+                put(name, value)
+            elif name == "lm_head.weight":
+                put("lm_head.weight", value)
+            else:
+                raise ValueError(f"unexpected weight {name!r}")
+        missing = set(params) - loaded
+        if cfg.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"weights missing for {sorted(missing)[:8]}")
+
+    @staticmethod
+    def _put_expert(params, name, expert, value, rows, loaded) -> None:  # type: ignore[no-untyped-def]
+        target = params[name].data[expert]
+        if rows is not None:
+            target = target[rows]
+        assert target.shape == value.shape, f"{name}[{expert}]: {tuple(target.shape)} vs {tuple(value.shape)}"
+        target.copy_(value)
+        loaded.add(name)

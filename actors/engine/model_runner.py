@@ -1,0 +1,93 @@
+"""Owns the model and its paged KV cache, and turns a list of per-sequence chunks into one forward.
+
+Each `SeqChunk` is "compute KV for these new tokens, which start at position `start_pos`, in these
+blocks, and give me logits for the last one if asked". The runner puts single-token chunks
+(decodes) first, as the attention kernels want, and hands the logits back in the caller's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.config import ModelConfig
+from actors.engine.model import CausalLM, KVCache
+from kernels import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    needs_logits: bool
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Runs one forward over all chunks; returns float32 logits [num_chunks_needing_logits, V]
+        in the order of `chunks`."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        logits_of: dict[int, int] = {}
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        table = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        for row, i in enumerate(order):
+            c = chunks[i]
+            n = len(c.token_ids)
+            end = c.start_pos + n
+            assert len(c.block_ids) * bs >= end, "chunk's blocks do not cover its tokens"
+            input_ids += c.token_ids
+            positions += range(c.start_pos, end)
+            slots += [c.block_ids[p // bs] * bs + p % bs for p in range(c.start_pos, end)]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            table[row, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
+            if c.needs_logits:
+                logits_of[i] = len(logits_rows)
+                logits_rows.append(qsl[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=num_decodes,
+            max_seq_len=max(seq_lens),
+            query_start_loc_list=tuple(qsl),
+            seq_lens_list=tuple(seq_lens),
+        )
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        # back to the caller's order
+        wanted = [logits_of[i] for i in range(len(chunks)) if i in logits_of]
+        return logits[torch.tensor(wanted, dtype=torch.int64, device=dev)] if wanted else logits

@@ -1,0 +1,116 @@
+"""Plain torch references for the paged-KV kernels. They are the CPU path and the ground truth the
+triton kernels are tested against; keep them obviously correct first, fast second.
+
+KV cache layout (one tensor per layer and per K/V): [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    # [num_blocks_used, block_size, H, D] -> [length, H, D]
+    return cache.index_select(0, block_ids).flatten(0, 1)[:length]
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Batched: the sequences' KV is gathered into a padded [S, L, H, D] view and masked by length."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(max_seq_len if max_seq_len is not None else seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks].long()
+    k = k_cache[table].flatten(1, 2)[:, :max_len]  # [S, L, Hkv, D]
+    v = v_cache[table].flatten(1, 2)[:, :max_len]
+    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [S, L]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2).to(k.dtype),  # [S, Hq, 1, D]
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(2).to(query.dtype)
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], the new tokens of every sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int] | tuple[int, ...],
+    query_start_loc: list[int] | tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Ragged causal attention: each sequence's new tokens see its cached prefix and each other."""
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len = end - start
+        block_ids = block_tables[i, : -(-seq_len // block_size)].long()
+        k = _gather(k_cache, block_ids, seq_len).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather(v_cache, block_ids, seq_len).transpose(0, 1)
+        q = query[start:end].transpose(0, 1).to(k.dtype)  # [Hq, q_len, D]
+        # new token j sits at position seq_len - q_len + j and sees positions <= its own
+        prefix = seq_len - q_len
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )
+        else:
+            pos_q = torch.arange(prefix, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )
+        out[start:end] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def dense_causal_attention(
+    query: torch.Tensor,  # [q_len, Hq, D], the last q_len positions of the context
+    key: torch.Tensor,  # [L, Hkv, D]
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Naive softmax(QK^T)V with explicit loops over heads: the ground truth for tests."""
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(q_len, num_heads, value.shape[-1], dtype=torch.float64)
+    for h in range(num_heads):
+        q = query[:, h].double()
+        k = key[:, h // group].double()
+        v = value[:, h // group].double()
+        scores = q @ k.T * scale  # [q_len, L]
+        pos_q = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos_q, float("-inf"))
+        out[:, h] = torch.softmax(scores, dim=-1) @ v
+    return out
