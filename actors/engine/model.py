@@ -187,6 +187,9 @@ class CausalLM(nn.Module):
         """Copies HF-named tensors in, fusing q/k/v, gate/up and per-expert weights. Accepts both
         the Mixtral checkpoint layout (block_sparse_moe.experts.j.w1/w2/w3) and transformers 5's
         fused one (mlp.experts.gate_up_proj/down_proj). Every parameter must be covered."""
+        if self.cfg.tie_word_embeddings:
+            # re-tie: moving the module between devices (meta -> cpu) can split shared parameters
+            self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 

@@ -1,0 +1,31 @@
+# The two entry points of the README. Each creates .venv if missing and installs CPU torch first
+# (a range or an unpinned torch would pull a multi-GB CUDA build), then the pinned project.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ferry-installed
+
+.PHONY: run test install bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ferry models fetch smollm2
+	$(BIN)/ferry generate --model smollm2 --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

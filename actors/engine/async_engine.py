@@ -1,0 +1,111 @@
+"""asyncio front of the engine: one background thread steps the engine, callers await streams.
+
+The engine is single-threaded; a lock serialises `add_request`/`abort` (called from the event loop
+through `asyncio.to_thread`) with `step` (called from the stepping thread), so a new request waits at
+most one step to enter. Each request's outputs go to its own asyncio queue via
+`call_soon_threadsafe`. A consumer that stops iterating (client gone, task cancelled) aborts its
+request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from actors.engine.engine import Engine
+from actors.engine.output import RequestOutput
+from actors.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The stepping thread crashed; the engine serves nothing until restarted."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        extra_keys: tuple[object, ...] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs until it finishes. Bad input raises before the first yield."""
+        if self._error is not None:
+            raise EngineDead("engine loop failed") from self._error
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            with self._lock:
+                self.engine.add_request(request_id, prompt, params, extra_keys=extra_keys)
+                self._queues[request_id] = (loop, queue)
+
+        await asyncio.to_thread(add)
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead("engine loop failed") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await asyncio.to_thread(self.abort, request_id)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            self._queues.pop(request_id, None)
+            return self.engine.abort(request_id) is not None
+
+    def stats(self):  # type: ignore[no-untyped-def]
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                busy = self.engine.has_unfinished_requests()
+                if busy:
+                    try:
+                        outputs = self.engine.step()
+                    except BaseException as e:  # noqa: BLE001 - fail every stream, not silently
+                        logger.exception("engine step failed")
+                        self._error = e
+                        for loop, queue in self._queues.values():
+                            loop.call_soon_threadsafe(queue.put_nowait, e)
+                        self._queues.clear()
+                        return
+                    for out in outputs:
+                        target = self._queues.get(out.request_id)
+                        if target is None:
+                            continue
+                        if out.finished:
+                            del self._queues[out.request_id]
+                        target[0].call_soon_threadsafe(target[1].put_nowait, out)
+            if not busy:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()

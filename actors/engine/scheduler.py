@@ -1,0 +1,119 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running requests go first, in admission order, each taking the tokens it still has to
+compute (1 for a decode, a chunk of its prompt for a prefill in progress) out of the budget. When
+the pool cannot hold a running request's next tokens, the most recently admitted running request is
+preempted (its blocks are freed; it goes back to the head of the queue and is recomputed later from
+prompt + tokens generated so far). Waiting requests are admitted after that, in arrival order, while
+budget, sequence slots and blocks allow, reusing their cached prefix blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from actors.engine.config import EngineConfig
+from actors.engine.kv_cache_manager import KVCacheManager
+from actors.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                scheduled.add(req.request_id)
+                budget -= n
+                i += 1
+                continue
+            # `req` itself was preempted: everything after it already was too.
+            break
+
+        # Admitting new work in a step that had to preempt would just thrash the pool.
+        if not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                req = self.waiting[0]
+                computed, num_hit = ([], 0)
+                if req.num_computed_tokens == 0:
+                    computed, num_hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, n, computed):
+                    break
+                self.waiting.popleft()
+                if req.status == RequestStatus.WAITING:
+                    req.num_prefix_hit_tokens = num_hit
+                req.num_computed_tokens += num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Removes a request wherever it is and frees its blocks."""
+        assert status.is_finished
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
