@@ -91,3 +91,19 @@ class ModelRunner:
         # back to the caller's order
         wanted = [logits_of[i] for i in range(len(chunks)) if i in logits_of]
         return logits[torch.tensor(wanted, dtype=torch.int64, device=dev)] if wanted else logits
+
+    # ----------------------------------------------------------------- KV export / import (transfer)
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies the KV of `block_ids` out of the cache: [num_layers, 2, n, block_size, Hkv, D]."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in self.kv_caches])
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor, layers: range | None = None) -> None:
+        """Writes KV shaped like `read_blocks`' output (or its slice over `layers`) into `block_ids`."""
+        layers = layers if layers is not None else range(len(self.kv_caches))
+        assert kv.shape[0] == len(layers) and kv.shape[2] == len(block_ids), (tuple(kv.shape), len(block_ids))
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for i, layer in enumerate(layers):
+            k, v = self.kv_caches[layer]
+            k.index_copy_(0, idx, kv[i, 0].to(k.dtype))
+            v.index_copy_(0, idx, kv[i, 1].to(v.dtype))
