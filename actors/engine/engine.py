@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -55,6 +56,8 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
         self.requests: dict[str, Request] = {}
+        self._reserved: dict[str, Request] = {}  # KV arriving from another engine
+        self._held: dict[str, Request] = {}  # finished, KV kept until release_kv
         self._rng = random.Random(self.cfg.seed)
         self._num_steps = 0
         self._last_step_s = 0.0
@@ -89,11 +92,32 @@ class Engine:
         *,
         extra_keys: tuple[object, ...] = (),
         arrival_time: float | None = None,
+        output_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        hold_kv: bool = False,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
-        or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt)."""
+        or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
+
+        Resuming elsewhere (recovery, recompute): pass the tokens already streamed as
+        `output_token_ids` and the journaled `seed`; the request continues exactly where it was.
+        `hold_kv`: when the request finishes its blocks stay allocated until `release_kv` (a
+        prefill worker ships them first)."""
+        req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        req.hold_kv = hold_kv
+        self.requests[request_id] = req
+        self.outputs.add(req)
+        self.scheduler.add(req)
+        return req
+
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+        extra_keys: tuple[object, ...], output_token_ids: Sequence[int], seed: int | None,
+    ) -> Request:
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._reserved or request_id in self._held:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if not prompt:
@@ -101,8 +125,12 @@ class Engine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        self._validate(token_ids, params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._validate(token_ids + [int(t) for t in output_token_ids], params)
+        if len(output_token_ids) >= params.max_tokens:
+            raise InvalidSamplingParams(
+                f"{len(output_token_ids)} tokens already generated; max_tokens={params.max_tokens} leaves none to do")
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -110,12 +138,63 @@ class Engine:
             block_size=self.cfg.block_size,
             extra_keys=extra_keys,
         )
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+        for t in output_token_ids:
+            req.append_token(int(t))
+        return req
+
+    # ------------------------------------------------------- KV handed over from another engine
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        num_kv_tokens: int,
+        extra_keys: tuple[object, ...] = (),
+    ) -> list[int] | None:
+        """Decode side of disaggregation, step 1: validates the request and allocates blocks for
+        the `num_kv_tokens` tokens whose KV another engine computed. Returns the block ids to write
+        (`runner.write_blocks`), or None when the pool or the batch has no room now."""
+        req = self._new_request(request_id, prompt_token_ids, params, extra_keys, output_token_ids, seed)
+        assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
+        if len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs:
+            return None
+        if not self.kv.allocate_slots(req, num_kv_tokens):
+            return None
+        req.num_computed_tokens = num_kv_tokens
+        self._reserved[request_id] = req
+        return self.kv.block_ids(request_id)
+
+    def commit(self, request_id: str) -> Request:
+        """Step 2, once every shard is written: the request joins the running batch."""
+        req = self._reserved.pop(request_id)
+        self.kv.cache_computed_blocks(req)
         self.requests[request_id] = req
         self.outputs.add(req)
-        self.scheduler.add(req)
+        self.scheduler.add_running(req)
         return req
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        """KV that never arrived: frees the reserved blocks."""
+        req = self._reserved.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
+
+    def held_kv(self, request_id: str) -> tuple[list[int], int]:
+        """(block ids, number of tokens with KV) of a finished `hold_kv` request."""
+        req = self._held[request_id]
+        return self.kv.block_ids(request_id), req.num_computed_tokens
+
+    def release_kv(self, request_id: str) -> bool:
+        req = self._held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -140,6 +219,9 @@ class Engine:
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Drops a request wherever it is (queued, running, reserved, held) and frees its blocks."""
+        if self.cancel_reservation(request_id) or self.release_kv(request_id):
+            return None
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -176,7 +258,9 @@ class Engine:
                 req.append_token(token_id)
                 out, status = self.outputs.on_token(req, token_id, lp, self._check_stop(req, token_id))
                 if status is not None:
-                    self.scheduler.finish(req, status)
+                    self.scheduler.finish(req, status, free_kv=not req.hold_kv)
+                    if req.hold_kv:
+                        self._held[req.request_id] = req
                     del self.requests[req.request_id]
                 outputs.append(out)
         self._num_steps += 1

@@ -53,8 +53,10 @@ class EngineStats:
 
 
 class _TextState:
+    # The detokenizer's context is every token so far: a resumed request's first new text delta
+    # must join the text already streamed elsewhere (leading spaces, split characters).
     def __init__(self, tokenizer: Tokenizer, req: Request) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, skip_special_tokens=True)
+        self.detok = IncrementalDetokenizer(tokenizer, list(req.token_ids), skip_special_tokens=True)
         self.text = ""
         self.emitted = 0
         stops = req.params.stop

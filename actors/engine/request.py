@@ -42,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    hold_kv: bool = False  # keep blocks after finishing, until the engine's release_kv
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)

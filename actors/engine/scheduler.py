@@ -108,12 +108,18 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Removes a request wherever it is and frees its blocks."""
+    def add_running(self, req: Request) -> None:
+        """A request whose KV is already in the pool (handed over by another engine)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, free_kv: bool = True) -> None:
+        """Removes a request wherever it is and frees its blocks (unless the caller keeps them)."""
         assert status.is_finished
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if free_kv:
+            self.kv.free(req)
         req.status = status
