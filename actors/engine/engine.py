@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from actors.engine.block_hash import BlockHash
 from actors.engine.config import EngineConfig, ModelConfig, parse_dtype
 from actors.engine.errors import (
     ContextLengthExceeded,
@@ -95,6 +96,7 @@ class Engine:
         output_token_ids: Sequence[int] = (),
         seed: int | None = None,
         hold_kv: bool = False,
+        num_shared_prefix_tokens: int = 0,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
         or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
@@ -103,7 +105,8 @@ class Engine:
         `output_token_ids` and the journaled `seed`; the request continues exactly where it was.
         `hold_kv`: when the request finishes its blocks stay allocated until `release_kv` (a
         prefill worker ships them first)."""
-        req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed)
+        req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,
+                                num_shared_prefix_tokens)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.hold_kv = hold_kv
@@ -115,6 +118,7 @@ class Engine:
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
         extra_keys: tuple[object, ...], output_token_ids: Sequence[int], seed: int | None,
+        num_shared_prefix_tokens: int = 0,
     ) -> Request:
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self._reserved or request_id in self._held:
@@ -137,6 +141,7 @@ class Engine:
             sampling=SamplingState(params=params, seed=seed, prompt_token_ids=token_ids, output_token_ids=[]),
             block_size=self.cfg.block_size,
             extra_keys=extra_keys,
+            num_shared_prefix_tokens=num_shared_prefix_tokens,
         )
         for t in output_token_ids:
             req.append_token(int(t))
@@ -153,11 +158,13 @@ class Engine:
         seed: int,
         num_kv_tokens: int,
         extra_keys: tuple[object, ...] = (),
+        num_shared_prefix_tokens: int = 0,
     ) -> list[int] | None:
         """Decode side of disaggregation, step 1: validates the request and allocates blocks for
         the `num_kv_tokens` tokens whose KV another engine computed. Returns the block ids to write
         (`runner.write_blocks`), or None when the pool or the batch has no room now."""
-        req = self._new_request(request_id, prompt_token_ids, params, extra_keys, output_token_ids, seed)
+        req = self._new_request(request_id, prompt_token_ids, params, extra_keys, output_token_ids, seed,
+                                num_shared_prefix_tokens)
         assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
         if len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs:
             return None
@@ -183,6 +190,31 @@ class Engine:
             return False
         self.kv.free(req)
         return True
+
+    def import_cached_blocks(self, block_hashes: Sequence[BlockHash], kv: torch.Tensor) -> int:
+        """Puts blocks fetched from the prefix-cache pool into this engine's prefix cache: they are
+        written, registered under their chained hashes and left free-but-cached, so the next
+        request with that prefix reuses them. `kv`: [num_layers, 2, n, block_size, Hkv, D].
+        Returns how many were imported (0 when the pool has no room)."""
+        n = len(block_hashes)
+        assert kv.shape[2] == n
+        if not self.cfg.enable_prefix_caching or n == 0 or not self.kv.pool.can_allocate(n):
+            return 0
+        blocks = self.kv.pool.allocate(n)
+        self.runner.write_blocks([b.block_id for b in blocks], kv)
+        for block, block_hash in zip(blocks, block_hashes):
+            self.kv.pool.cache_block(block, block_hash)
+        self.kv.pool.free(reversed(blocks))
+        return n
+
+    def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of a hash chain this engine holds in its prefix cache."""
+        n = 0
+        for h in block_hashes:
+            if self.kv.pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n
 
     def held_kv(self, request_id: str) -> tuple[list[int], int]:
         """(block ids, number of tokens with KV) of a finished `hold_kv` request."""

@@ -37,6 +37,10 @@ class Request:
     sampling: SamplingState
     block_size: int
     extra_keys: tuple[object, ...] = ()
+    # Blocks that lie wholly inside the first `num_shared_prefix_tokens` tokens are hashed without
+    # `extra_keys`: an opted-in shared prefix (a common system prompt) is shared across tenants,
+    # everything after it stays salted.
+    num_shared_prefix_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -79,4 +83,5 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs], self.extra_keys))
+            keys = () if (i + 1) * bs <= self.num_shared_prefix_tokens else self.extra_keys
+            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs], keys))

@@ -73,3 +73,45 @@ def test_resume_from_journal_continues_the_same_stream(tiny_llama_dir):
             outs += engine.step()
         assert full[:6] + [t for o in outs for t in o.new_token_ids] == full
         assert outs[-1].token_ids == tuple(full)
+
+
+def test_imported_prefix_blocks_are_reused(tiny_llama_dir):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    p = prompts(1, 40, seed=41)[0]
+    source = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=32))
+    source.add_request("src", p, params, hold_kv=True)
+    want = run_to_end(source)["src"]
+    block_ids, _ = source.held_kv("src")
+    hashes = source._held["src"].block_hashes[:2]
+    kv = source.runner.read_blocks(block_ids[:2])
+
+    target = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=32))
+    assert target.cached_prefix_len(hashes) == 0
+    assert target.import_cached_blocks(hashes, kv) == 2
+    assert target.cached_prefix_len(hashes) == 2 and target.kv.pool.num_free_blocks == 32
+    req = target.add_request("dst", p, params)
+    got = run_to_end(target)["dst"]
+    assert req.num_prefix_hit_tokens == 32 and req.num_forwarded_tokens == 8 + 7
+    assert got == want
+    target.check_integrity()
+
+
+def test_tenant_salt_and_shared_prefix(tiny_llama_dir):
+    engine = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    system = prompts(1, 32, seed=43)[0][:32]  # exactly 2 blocks
+    p = system + [9, 8, 7, 6, 5] * 4
+    engine.add_request("a1", p, params, extra_keys=("tenant-a",))
+    run_to_end(engine)
+    b = engine.add_request("b1", p, params, extra_keys=("tenant-b",))
+    run_to_end(engine)
+    assert b.num_prefix_hit_tokens == 0  # same prompt, other tenant: nothing shared
+    a2 = engine.add_request("a2", p, params, extra_keys=("tenant-a",))
+    run_to_end(engine)
+    assert a2.num_prefix_hit_tokens == 48
+    # opted-in shared system prompt: its blocks are shared, the tenant's own tokens are not
+    engine.add_request("c1", p, params, extra_keys=("tenant-c",), num_shared_prefix_tokens=32)
+    run_to_end(engine)
+    d = engine.add_request("d1", p, params, extra_keys=("tenant-d",), num_shared_prefix_tokens=32)
+    run_to_end(engine)
+    assert d.num_prefix_hit_tokens == 32
