@@ -1,6 +1,16 @@
-"""Compute over paged KV: attention, KV writes, (de)quantization. Triton on CUDA, torch otherwise."""
+"""Compute over paged KV: attention, KV writes, (de)quantization. Triton on CUDA, torch otherwise.
 
-from kernels.dispatch import paged_attention, write_kv
+Importing this package never imports triton; `kernels.dispatch` loads the triton modules on the
+first CUDA call. Layout and contracts: `kernels/metadata.py`, `kernels/reference.py`,
+`kernels/quant.py`.
+"""
+
+from kernels.dispatch import (
+    dequantize_fp8, dequantize_int8, paged_attention, quantize_fp8, quantize_int8, write_kv,
+)
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = [
+    "AttentionMetadata", "dequantize_fp8", "dequantize_int8", "paged_attention", "quantize_fp8",
+    "quantize_int8", "write_kv",
+]

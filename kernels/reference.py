@@ -2,6 +2,9 @@
 triton kernels are tested against; keep them obviously correct first, fast second.
 
 KV cache layout (one tensor per layer and per K/V): [num_blocks, block_size, num_kv_heads, head_dim].
+int8 KV storage adds one float32 scale per (slot, head): k_scale/v_scale [num_blocks, block_size,
+num_kv_heads] (see `kernels/quant.py`); the references dequantize what they gather and attend in
+float32, then return the query's dtype.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from kernels.quant import dequantize_kv_ref, quantize_int8_ref
 
 
 def write_kv_ref(
@@ -17,16 +20,32 @@ def write_kv_ref(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, every slot valid (>= 0)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, int8 KV only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """Token i's K/V go to flat slot `slot_mapping[i]` (= block_id * block_size + offset). An int8
+    cache stores round(x / scale) with a fresh scale per (token, head)."""
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        num_kv_heads, head_dim = cache.shape[2:]
+        flat = cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        if cache.dtype == torch.int8:
+            if scale is None:
+                raise ValueError("int8 KV cache needs k_scale/v_scale")
+            q, s = quantize_int8_ref(new)
+            flat.index_copy_(0, slot_mapping, q)
+            scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, s)
+        else:
+            flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    # [num_blocks_used, block_size, H, D] -> [length, H, D]
-    return cache.index_select(0, block_ids).flatten(0, 1)[:length]
+def _gather(
+    cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, length: int
+) -> torch.Tensor:
+    # [num_blocks_used, block_size, H, D] -> [length, H, D], dequantized if int8
+    rows = cache.index_select(0, block_ids).flatten(0, 1)[:length]
+    scales = None if scale is None else scale.index_select(0, block_ids).flatten(0, 1)[:length]
+    return dequantize_kv_ref(rows, scales)
 
 
 def paged_decode_attention_ref(
@@ -37,6 +56,8 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, int8 KV only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched: the sequences' KV is gathered into a padded [S, L, H, D] view and masked by length."""
     num_seqs, num_heads, head_dim = query.shape
@@ -44,8 +65,14 @@ def paged_decode_attention_ref(
     max_len = int(max_seq_len if max_seq_len is not None else seq_lens.max())
     num_blocks = -(-max_len // block_size)
     table = block_tables[:, :num_blocks].long()
-    k = k_cache[table].flatten(1, 2)[:, :max_len]  # [S, L, Hkv, D]
-    v = v_cache[table].flatten(1, 2)[:, :max_len]
+    k = dequantize_kv_ref(
+        k_cache[table].flatten(1, 2)[:, :max_len],  # [S, L, Hkv, D]
+        None if k_scale is None else k_scale[table].flatten(1, 2)[:, :max_len],
+    )
+    v = dequantize_kv_ref(
+        v_cache[table].flatten(1, 2)[:, :max_len],
+        None if v_scale is None else v_scale[table].flatten(1, 2)[:, :max_len],
+    )
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [S, L]
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2).to(k.dtype),  # [S, Hq, 1, D]
@@ -66,6 +93,8 @@ def paged_prefill_attention_ref(
     seq_lens: list[int] | tuple[int, ...],
     query_start_loc: list[int] | tuple[int, ...],
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, int8 KV only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention: each sequence's new tokens see its cached prefix and each other."""
     num_heads = query.shape[1]
@@ -75,8 +104,8 @@ def paged_prefill_attention_ref(
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
         block_ids = block_tables[i, : -(-seq_len // block_size)].long()
-        k = _gather(k_cache, block_ids, seq_len).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather(v_cache, block_ids, seq_len).transpose(0, 1)
+        k = _gather(k_cache, k_scale, block_ids, seq_len).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather(v_cache, v_scale, block_ids, seq_len).transpose(0, 1)
         q = query[start:end].transpose(0, 1).to(k.dtype)  # [Hq, q_len, D]
         # new token j sits at position seq_len - q_len + j and sees positions <= its own
         prefix = seq_len - q_len
