@@ -1,0 +1,66 @@
+"""Ray at the edge of the prefix cache: the store as an actor, and the pool's handle for it.
+
+Mental model: `PrefixCacheActor` is the plain `PrefixCacheStore` run as a Ray actor with a tenth of
+a CPU (it mostly waits on memory copies and file I/O, and the embedded default must fit 2 cores).
+`RayStoreHandle` adapts an actor handle to the pool's `StoreHandle` contract: `call` submits the
+method and returns the ObjectRef; `result` waits on it with the remaining deadline and translates
+Ray's failures into the pool's named errors. This file is the only one in the package that
+imports Ray. A dead actor is not restarted here: the pool drops it, and whoever owns the
+deployment may start a new store and `add_store` it (it comes back empty).
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from actors.prefix_cache.handles import PendingCall, StoreMethod, StoreTimeout, StoreUnavailable
+from actors.prefix_cache.pool import DEFAULT_TIMEOUT_S, PrefixCachePool
+from actors.prefix_cache.ring import StoreId
+from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
+
+STORE_NUM_CPUS = 0.1
+
+PrefixCacheActor = ray.remote(num_cpus=STORE_NUM_CPUS)(PrefixCacheStore)
+
+
+class _RayPending:
+    def __init__(self, ref: ray.ObjectRef) -> None:
+        self._ref = ref
+
+    def result(self, timeout_s: float) -> object:
+        try:
+            return ray.get(self._ref, timeout=timeout_s)
+        except GetTimeoutError as e:
+            raise StoreTimeout(f"no answer within {timeout_s:.3f} s") from e
+        except RayActorError as e:
+            raise StoreUnavailable(str(e).splitlines()[0] if str(e) else "actor died") from e
+
+
+class RayStoreHandle:
+    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+        self.actor = actor
+
+    def call(self, method: StoreMethod, *args: object) -> PendingCall:
+        # Submitting never blocks on the actor; a dead actor only shows up at result().
+        return _RayPending(getattr(self.actor, method).remote(*args))
+
+
+def start_store_actors(
+    cfg: PrefixCacheConfig, num_stores: int, id_prefix: str = "prefix-cache"
+) -> dict[StoreId, RayStoreHandle]:
+    """Starts `num_stores` store actors named `<id_prefix>-<i>`; the id also names each one's
+    disk folder, so two pools in one FERRY_HOME need different prefixes."""
+    handles = {}
+    for i in range(num_stores):
+        store_id = StoreId(f"{id_prefix}-{i}")
+        actor = PrefixCacheActor.options(name=store_id).remote(cfg, store_id)  # type: ignore[attr-defined]
+        handles[store_id] = RayStoreHandle(actor)
+    return handles
+
+
+def start_pool(
+    cfg: PrefixCacheConfig, num_stores: int, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> PrefixCachePool:
+    """A pool over freshly started store actors (the embedded default uses one)."""
+    return PrefixCachePool(start_store_actors(cfg, num_stores), timeout_s=timeout_s)

@@ -1,0 +1,86 @@
+"""The pool over real store actors: payloads cross processes intact; a killed or hung actor turns
+into misses within the deadline, and the other actor keeps serving."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from actors.engine.block_hash import BlockHash, hash_block_chain
+from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
+
+pytestmark = pytest.mark.ray
+
+CHAIN = hash_block_chain(list(range(64)), 4)  # 16 blocks
+TIMEOUT_S = 2.0
+
+
+def blob(h: BlockHash) -> bytes:
+    return bytes(range(256)) + h.to_bytes(16, "little")  # every byte value, then the key
+
+
+class HungStore(PrefixCacheStore):
+    """A store whose lookups never come back in time."""
+
+    def match_prefix(self, hashes: list[BlockHash]) -> int:
+        time.sleep(30)
+        return 0
+
+
+def test_pool_over_actors_survives_a_killed_actor(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    ray = ray_cluster
+    from actors.prefix_cache.actor import start_store_actors
+    from actors.prefix_cache.pool import PrefixCachePool
+
+    cfg = PrefixCacheConfig(dram_bytes=272 * 4, disk_bytes=1 << 20, disk_dir=str(tmp_path))
+    handles = start_store_actors(cfg, 2, id_prefix=f"pc-{uuid.uuid4().hex[:8]}")
+    try:
+        pool = PrefixCachePool(handles, timeout_s=TIMEOUT_S)
+        ids = sorted(handles)
+        assert pool.put([(h, blob(h)) for h in CHAIN]).wait(timeout_s=60) == 16  # first call: actor start
+        assert pool.match_prefix(CHAIN) == 16
+        assert pool.get_prefix(CHAIN) == [blob(h) for h in CHAIN]  # some came back from disk
+        stats = pool.stats()
+        assert [stats.per_store[s].num_puts for s in ids] == [
+            sum(1 for h in CHAIN if pool.owner(h) == s) for s in ids
+        ]
+        assert stats.total.num_hits == 16 and stats.total.num_hits_disk > 0
+
+        victim, survivor = pool.owner(CHAIN[3]), next(s for s in ids if s != pool.owner(CHAIN[3]))
+        first_victim = next(i for i, h in enumerate(CHAIN) if pool.owner(h) == victim)
+        survivor_keys = [h for h in CHAIN if pool.owner(h) == survivor]
+        ray.kill(handles[victim].actor, no_restart=True)
+
+        start = time.monotonic()
+        assert pool.match_prefix(CHAIN) == first_victim  # misses, not an exception
+        assert time.monotonic() - start < TIMEOUT_S + 1.0
+        assert pool.failed_store_ids == (victim,) and pool.store_ids == [survivor]
+        assert pool.get_prefix(CHAIN) == [blob(h) for h in CHAIN[:first_victim]]
+        assert all(pool.get_prefix([h]) == [blob(h)] for h in survivor_keys)
+        assert list(pool.stats().per_store) == [survivor]
+    finally:
+        for handle in handles.values():
+            ray.kill(handle.actor, no_restart=True)
+
+
+def test_hung_actor_times_out_into_misses(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    ray = ray_cluster
+    from actors.prefix_cache.actor import RayStoreHandle
+    from actors.prefix_cache.pool import PrefixCachePool
+    from actors.prefix_cache.ring import StoreId
+
+    cfg = PrefixCacheConfig(dram_bytes=1 << 16, enable_disk=False, disk_dir=str(tmp_path))
+    hung = ray.remote(num_cpus=0.1)(HungStore).remote(cfg, "hung")
+    ray.get(hung.contains.remote(0), timeout=60)  # started and answering
+    try:
+        pool = PrefixCachePool({StoreId("hung"): RayStoreHandle(hung)}, timeout_s=0.5)
+        start = time.monotonic()
+        assert pool.match_prefix(CHAIN) == 0
+        assert 0.45 <= time.monotonic() - start < 1.5  # ray.get rounds its timeout down a little
+        assert pool.failed_store_ids == ("hung",)
+    finally:
+        ray.kill(hung, no_restart=True)
