@@ -33,7 +33,8 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
 def quantize_int8_ref(
     x: torch.Tensor,  # [..., head_dim] float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (q [..., head_dim] int8, scale [...] float32), one scale per row of the last dim."""
+    """-> (q [..., head_dim] int8, scale [...] float32), one scale per row of the last dim.
+    Round trip: |x - dequantize_int8_ref(q, scale)| <= scale * (1/2 + 2^-15) elementwise."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / INT8_MAX  # [...]
     y = xf / _safe(scale).unsqueeze(-1)
@@ -52,7 +53,8 @@ def dequantize_int8_ref(
 def quantize_fp8_ref(
     x: torch.Tensor,  # [num_blocks, ...] float, one scale per leading index
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (q [num_blocks, ...] float8_e4m3fn, scale [num_blocks] float32)."""
+    """-> (q [num_blocks, ...] float8_e4m3fn, scale [num_blocks] float32).
+    Round trip: |x - dequantize_fp8_ref(q, scale)| <= 2^-4 * |x| + 2^-10 * scale elementwise."""
     xf = x.float().reshape(x.shape[0], -1)  # [num_blocks, elems]
     scale = xf.abs().amax(dim=1) / FP8_E4M3_MAX  # [num_blocks]
     # the clamp keeps float32 rounding of x / scale (448.00003) from overflowing to NaN

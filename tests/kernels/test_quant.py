@@ -87,6 +87,25 @@ def test_fp8_round_trip_within_bound() -> None:
     assert (err[~normal & (x != 0)] / s.expand_as(x)[~normal & (x != 0)]).max() > 0.9 * 2.0**-10
 
 
+def _ties() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs exactly halfway between two codes (scale 1: amax is 127 / 448), and the
+    round-half-to-even answers."""
+    i8 = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] + [0.0] * 8])
+    i8_want = torch.tensor([[127, 0, 2, 2, 0, -2, -2, 126] + [0] * 8], dtype=torch.int8)
+    # e4m3 near 1: step 1/8 (1.0625 -> 1.0, 1.1875 -> 1.25); subnormal step 2^-9; top step 32
+    f8 = torch.tensor([[448.0, 1.0625, 1.1875, -1.0625, 3 * 2.0**-10, 2.0**-10, 7.5 * 2.0**-9, 432.0]])
+    f8_want = torch.tensor([[448.0, 1.0, 1.25, -1.0, 2 * 2.0**-9, 0.0, 8 * 2.0**-9, 448.0]])
+    return i8, i8_want, f8, f8_want
+
+
+def test_ref_ties_round_half_to_even() -> None:
+    i8, i8_want, f8, f8_want = _ties()
+    q, scale = quantize_int8_ref(i8)
+    assert scale.item() == 1.0 and torch.equal(q, i8_want)
+    q8, scale8 = quantize_fp8_ref(f8)
+    assert scale8.item() == 1.0 and torch.equal(q8.float(), f8_want)
+
+
 def test_dequantize_casts_to_requested_dtype() -> None:
     q, scale = quantize_int8_ref(torch.randn(3, 64))
     assert dequantize_int8_ref(q, scale, torch.bfloat16).dtype == torch.bfloat16
@@ -127,6 +146,15 @@ def test_fp8_triton_equals_ref(dtype: torch.dtype) -> None:
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(dequantize_fp8_triton(q, scale), dequantize_fp8_ref(q, scale))
+
+
+def test_triton_ties_round_half_to_even() -> None:
+    pytest.importorskip("triton", reason="triton not installed")
+    from kernels.triton_quant import quantize_fp8_triton, quantize_int8_triton
+
+    i8, i8_want, f8, f8_want = (t.to(DEVICE) for t in _ties())
+    assert torch.equal(quantize_int8_triton(i8)[0], i8_want)
+    assert torch.equal(quantize_fp8_triton(f8)[0].float(), f8_want)
 
 
 def test_triton_quant_rejects_bad_input() -> None:
