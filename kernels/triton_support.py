@@ -1,7 +1,8 @@
 """When triton may run, and the checks every triton wrapper makes before a launch.
 
 Mental model: triton is optional. `import kernels` never imports it; the dispatcher asks
-`use_triton(...)` per call, which is true only when triton imports *and* the tensors live on CUDA.
+`use_triton(...)` per call, which is true only when triton imports *and* the tensors live on CUDA
+(and the interpreter is off: it cannot run CUDA tensors at speed).
 Tests call the triton wrappers directly on CPU tensors under `TRITON_INTERPRET=1` (the interpreter
 runs kernels through numpy), so the wrappers accept CPU tensors exactly when interpreting.
 A wrapper rejects bad input with a ValueError before launch: a kernel reading the wrong stride or
