@@ -129,6 +129,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's context length
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (per-token-head scales)
     enable_prefix_caching: bool = True
     seed: int = 0
 
@@ -138,3 +139,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         parse_dtype(self.dtype)
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.int8 if self.kv_cache_dtype == "int8" else parse_dtype(self.dtype)

@@ -47,12 +47,12 @@ class Engine:
         self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
         num_blocks = self.cfg.num_blocks or max(
-            1, self.cfg.kv_cache_bytes // kv_bytes_per_block(model.cfg, self.cfg.block_size, dtype)
+            1, self.cfg.kv_cache_bytes // kv_bytes_per_block(model.cfg, self.cfg.block_size, self.cfg.kv_dtype)
         )
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.cfg, self.kv)
-        self.runner = ModelRunner(model.to(dtype), num_blocks, self.cfg.block_size, dtype)
+        self.runner = ModelRunner(model.to(dtype), num_blocks, self.cfg.block_size, self.cfg.kv_dtype)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,13 @@ from torch import nn
 from actors.engine.config import ModelConfig
 from kernels import AttentionMetadata, paged_attention, write_kv
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, Hkv, D],) * 2
+class KVCache(NamedTuple):
+    """One layer's paged cache. int8 storage adds per-(token, head) float32 scales."""
+
+    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv], int8 storage only
+    v_scale: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -106,8 +113,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, cos_sin)
-        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        c = kv_cache
+        write_kv(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale)
+        o = paged_attention(q, c.k, c.v, meta, self.scale, c.k_scale, c.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -13,7 +13,7 @@ import torch
 
 from actors.engine.config import ModelConfig
 from actors.engine.model import CausalLM, KVCache
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, dequantize_int8, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -26,18 +26,30 @@ class SeqChunk:
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    per_token_head = cfg.head_dim * elem + (4 if dtype == torch.int8 else 0)  # int8 carries a f32 scale
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """`kv_dtype` is the model's dtype, or torch.int8 for quantized KV storage (per-(token,
+        head) scales; about half the bytes of bf16, so twice the blocks in the same memory)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        self.model_dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        int8 = kv_dtype == torch.int8
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            KVCache(zeros(shape, kv_dtype), zeros(shape, kv_dtype),
+                    zeros(shape[:3], torch.float32) if int8 else None,
+                    zeros(shape[:3], torch.float32) if int8 else None)
             for _ in range(cfg.num_layers)
         ]
 
@@ -96,7 +108,14 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copies the KV of `block_ids` out of the cache: [num_layers, 2, n, block_size, Hkv, D]."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in self.kv_caches])
+        return torch.stack([torch.stack((self._read(c.k, c.k_scale, idx), self._read(c.v, c.v_scale, idx)))
+                            for c in self.kv_caches])
+
+    def _read(self, cache: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+        # Quantized storage is handed out dequantized: the transfer codec has its own compression.
+        if scale is None:
+            return cache.index_select(0, idx)
+        return dequantize_int8(cache.index_select(0, idx), scale.index_select(0, idx), self.model_dtype)
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor, layers: range | None = None) -> None:
         """Writes KV shaped like `read_blocks`' output (or its slice over `layers`) into `block_ids`."""
@@ -104,6 +123,11 @@ class ModelRunner:
         assert kv.shape[0] == len(layers) and kv.shape[2] == len(block_ids), (tuple(kv.shape), len(block_ids))
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for i, layer in enumerate(layers):
-            k, v = self.kv_caches[layer]
-            k.index_copy_(0, idx, kv[i, 0].to(k.dtype))
-            v.index_copy_(0, idx, kv[i, 1].to(v.dtype))
+            c = self.kv_caches[layer]
+            for j, (cache, scale) in enumerate(((c.k, c.k_scale), (c.v, c.v_scale))):
+                if scale is None:
+                    cache.index_copy_(0, idx, kv[i, j].to(cache.dtype))
+                else:
+                    q, s = quantize_int8(kv[i, j])
+                    cache.index_copy_(0, idx, q)
+                    scale.index_copy_(0, idx, s)
