@@ -1,0 +1,334 @@
+"""Throughput of the ferry engine on SmolLM2-135M, beside `transformers` generate on the same GGUF.
+
+What is measured, per dtype:
+- prefill: one request with a 512-token prompt and max_tokens=1, in one chunk; prompt tokens / wall
+  time of the engine steps, median of a few runs after a warm-up. transformers: 512 / time of
+  `generate(max_new_tokens=1)`.
+- decode at B sequences: B random 64-token prompts, `--gen-tokens` greedy tokens each (ignore_eos).
+  Only the window after every sequence has its first token counts: tokens emitted in it / its
+  time. transformers: (gen - 1) * B / (time(generate gen) - time(generate 1)) on the same prompts.
+- the weight-streaming bound at B=1: bytes of weights one decode step must read (every parameter
+  once in the engine's dtype, the tied embedding counted once as the lm_head, plus the one
+  embedding row looked up) / memcpy rate measured in this run. KV reads are left out: at these
+  context lengths (<= 128 tokens) they are about 1% of the weights at most.
+Prompts are fresh random token ids on every run, so the prefix cache never hits. The two engines
+run interleaved (each figure right after its counterpart) so that load from other users of a
+shared box hits both alike. No assertions: targets are printed beside the figures.
+
+    .venv/bin/python bench/engine.py [--dtypes float32,bfloat16] [--batch-sizes 1,8,32]
+        [--gen-tokens 64] [--skip-transformers] [--threads N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    # Run as `python bench/engine.py`, Python puts bench/ first on the path, where a sibling bench
+    # named after a package (bench/kernels.py) would shadow it: import from the repository root.
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent))
+
+import torch
+
+from actors.engine.config import EngineConfig, parse_dtype
+from actors.engine.engine import Engine
+from actors.engine.fetch import resolve_model
+from actors.engine.model import CausalLM
+from actors.engine.sampling import SamplingParams
+from bench.common import (
+    format_table,
+    median,
+    memcpy_bandwidth_bytes_per_s,
+    peak_rss_bytes,
+    print_json,
+    progress,
+)
+
+MODEL = "smollm2"
+PREFILL_TOKENS = 512
+DECODE_PROMPT_TOKENS = 64
+TARGET_MIN_RATIO_AT_32 = 1.3  # ferry / transformers decode at 32 sequences
+TARGET_MIN_FRACTION_OF_BOUND_AT_1 = 0.6  # ferry decode at 1 sequence / weight-streaming bound
+
+
+def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(num_tokens)]
+
+
+# ------------------------------------------------------------------------------------------ ferry
+class FerryRunner:
+    def __init__(self, dtype: str, max_batch: int, rng: random.Random) -> None:
+        cfg = EngineConfig(
+            dtype=dtype,
+            max_num_seqs=max(max_batch, 1),
+            # every decode prompt prefills in the first step, and the long prompt in one chunk
+            max_num_batched_tokens=max(PREFILL_TOKENS, max_batch * DECODE_PROMPT_TOKENS),
+        )
+        self.engine = Engine.from_pretrained(MODEL, cfg)
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.rng = rng
+        self._next_id = 0
+
+    def _add(self, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(f"bench-{self._next_id}", prompt, params)
+        self._next_id += 1
+
+    def prefill_tok_s(self) -> float:
+        self._add(random_prompt(self.rng, PREFILL_TOKENS, self.vocab_size), max_tokens=1)
+        t0 = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return PREFILL_TOKENS / (time.perf_counter() - t0)
+
+    def decode_tok_s(self, batch: int, gen_tokens: int) -> dict[str, float]:
+        for _ in range(batch):
+            self._add(random_prompt(self.rng, DECODE_PROMPT_TOKENS, self.vocab_size), gen_tokens)
+        started: set[str] = set()
+        t0: float | None = None
+        num_window_tokens = 0
+        num_window_steps = 0
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            if t0 is None:
+                started |= {o.request_id for o in outputs if o.new_token_ids}
+                if len(started) == batch:
+                    t0 = time.perf_counter()  # every sequence has its first token: decode only from here
+            else:
+                num_window_tokens += sum(len(o.new_token_ids) for o in outputs)
+                num_window_steps += 1
+        elapsed_s = time.perf_counter() - t0 if t0 is not None else 0.0
+        tok_s = num_window_tokens / elapsed_s if elapsed_s > 0 else 0.0
+        return {"tok_s": tok_s, "tokens": num_window_tokens, "steps": num_window_steps, "seconds": elapsed_s}
+
+    def weight_bytes_per_decode_step(self) -> int:
+        return weight_bytes_per_decode_step(self.engine.runner.model)
+
+
+def weight_bytes_per_decode_step(model: CausalLM) -> int:
+    """Every distinct parameter once (a tied embedding is the lm_head's matrix, read by its
+    matmul); an untied embedding only contributes the one row a single token looks up."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared params once
+    emb = model.embed_tokens.weight
+    if model.lm_head.weight is not emb:
+        total -= emb.numel() * emb.element_size()
+    return total + emb.shape[1] * emb.element_size()
+
+
+# ----------------------------------------------------------------------------------- transformers
+class TransformersRunner:
+    def __init__(self, path: Path, dtype: str, rng: random.Random) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=parse_dtype(dtype)
+        ).eval()
+        cfg = self.model.config
+        eos = cfg.eos_token_id
+        self.pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        self.vocab_size = cfg.vocab_size
+        self.rng = rng
+
+    def _generate_s(self, input_ids: torch.Tensor, new_tokens: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_token_id,
+            )
+        elapsed_s = time.perf_counter() - t0
+        if out.shape[1] != input_ids.shape[1] + new_tokens:
+            progress(f"warning: generate made {out.shape[1] - input_ids.shape[1]} tokens, not {new_tokens}")
+        return elapsed_s
+
+    def _prompts(self, batch: int, num_tokens: int) -> torch.Tensor:
+        rows = [random_prompt(self.rng, num_tokens, self.vocab_size) for _ in range(batch)]
+        return torch.tensor(rows, dtype=torch.long)
+
+    def prefill_tok_s(self) -> float:
+        return PREFILL_TOKENS / self._generate_s(self._prompts(1, PREFILL_TOKENS), 1)
+
+    def decode_tok_s(self, batch: int, gen_tokens: int) -> dict[str, float]:
+        ids = self._prompts(batch, DECODE_PROMPT_TOKENS)
+        first_s = self._generate_s(ids, 1)
+        full_s = self._generate_s(ids, gen_tokens)
+        window_s = full_s - first_s
+        tokens = (gen_tokens - 1) * batch
+        return {"tok_s": tokens / window_s if window_s > 0 else 0.0, "tokens": tokens,
+                "seconds": window_s, "generate_1_s": first_s, "generate_full_s": full_s}
+
+
+# ---------------------------------------------------------------------------------------- driver
+def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: random.Random) -> dict[str, Any]:
+    batches: list[int] = args.batch_sizes
+    progress(f"{dtype}: loading ferry engine")
+    ferry = FerryRunner(dtype, max(batches), rng)
+    hf: TransformersRunner | None = None
+    if not args.skip_transformers:
+        progress(f"{dtype}: loading transformers model from the same GGUF")
+        hf = TransformersRunner(resolve_model(MODEL), dtype, rng)
+
+    progress(f"{dtype}: warm-up")
+    ferry.prefill_tok_s()
+    ferry.decode_tok_s(max(batches), min(args.gen_tokens, 4))
+    if hf is not None:
+        hf.prefill_tok_s()
+        hf.decode_tok_s(max(batches), min(args.gen_tokens, 4))
+
+    ferry_prefill: list[float] = []
+    hf_prefill: list[float] = []
+    for i in range(args.prefill_runs):
+        progress(f"{dtype}: prefill {PREFILL_TOKENS} run {i + 1}/{args.prefill_runs}")
+        ferry_prefill.append(ferry.prefill_tok_s())
+        if hf is not None:
+            hf_prefill.append(hf.prefill_tok_s())
+
+    ferry_decode: dict[str, dict[str, float]] = {}
+    hf_decode: dict[str, dict[str, float]] = {}
+    for b in batches:
+        progress(f"{dtype}: decode B={b}, {args.gen_tokens} tokens each")
+        ferry_decode[str(b)] = ferry.decode_tok_s(b, args.gen_tokens)
+        if hf is not None:
+            hf_decode[str(b)] = hf.decode_tok_s(b, args.gen_tokens)
+
+    weight_bytes = ferry.weight_bytes_per_decode_step()
+    bound_tok_s = bandwidth / weight_bytes
+    result: dict[str, Any] = {
+        "weight_bytes_per_decode_step": weight_bytes,
+        "decode_bound_tok_s": bound_tok_s,
+        "ferry": {
+            "prefill_tok_s": median(ferry_prefill),
+            "prefill_runs_tok_s": ferry_prefill,
+            "decode": ferry_decode,
+            "prefix_hit_tokens": ferry.engine.stats().num_prefix_hit_tokens,  # 0: prompts are fresh
+        },
+        "transformers": None,
+        "ratio": None,
+        "targets": {},
+    }
+    if "1" in ferry_decode:
+        frac = ferry_decode["1"]["tok_s"] / bound_tok_s
+        result["targets"]["b1_fraction_of_bound"] = {
+            "min": TARGET_MIN_FRACTION_OF_BOUND_AT_1, "value": frac,
+            "met": frac >= TARGET_MIN_FRACTION_OF_BOUND_AT_1,
+        }
+    if hf is not None:
+        result["transformers"] = {
+            "prefill_tok_s": median(hf_prefill),
+            "prefill_runs_tok_s": hf_prefill,
+            "decode": hf_decode,
+        }
+        result["ratio"] = {
+            "prefill": median(ferry_prefill) / median(hf_prefill),
+            "decode": {b: ferry_decode[b]["tok_s"] / hf_decode[b]["tok_s"] for b in ferry_decode},
+        }
+        if "32" in ferry_decode:
+            r = result["ratio"]["decode"]["32"]
+            result["targets"]["b32_vs_transformers"] = {
+                "min": TARGET_MIN_RATIO_AT_32, "value": r, "met": r >= TARGET_MIN_RATIO_AT_32,
+            }
+    del ferry, hf
+    gc.collect()
+    return result
+
+
+def render(figures: dict[str, Any]) -> str:
+    rows = []
+    for dtype, d in figures["dtypes"].items():
+        hf, ratio, targets = d["transformers"], d["ratio"], d["targets"]
+        rows.append([dtype, f"prefill {PREFILL_TOKENS}", d["ferry"]["prefill_tok_s"],
+                     hf["prefill_tok_s"] if hf else None, f"{ratio['prefill']:.2f}x" if ratio else None, ""])
+        for b, dec in d["ferry"]["decode"].items():
+            target = ""
+            if b == "32" and "b32_vs_transformers" in targets:
+                t = targets["b32_vs_transformers"]
+                target = f">= {t['min']:.1f}x: {'met' if t['met'] else 'NOT met'}"
+            rows.append([dtype, f"decode B={b}", dec["tok_s"], hf["decode"][b]["tok_s"] if hf else None,
+                         f"{ratio['decode'][b]:.2f}x" if ratio else None, target])
+    main = format_table(["dtype", "phase", "ferry tok/s", "transformers tok/s", "ferry/hf", "target"], rows,
+                        title="Throughput, SmolLM2-135M-Instruct (tokens/s, higher is better)")
+
+    bw = figures["memcpy_bytes_per_s"]
+    bound_rows = []
+    for dtype, d in figures["dtypes"].items():
+        dec1 = d["ferry"]["decode"].get("1")
+        t = d["targets"].get("b1_fraction_of_bound")
+        bound_rows.append([
+            dtype, d["weight_bytes_per_decode_step"] / 1e6, d["decode_bound_tok_s"],
+            dec1["tok_s"] if dec1 else None,
+            f"{100 * t['value']:.0f}%" if t else None,
+            f">= {100 * t['min']:.0f}%: {'met' if t['met'] else 'NOT met'}" if t else "",
+        ])
+    bound = format_table(
+        ["dtype", "weights MB/step", "bound tok/s", "ferry B=1 tok/s", "of bound", "target"], bound_rows,
+        title=f"Weight-streaming bound at B=1 (memcpy {bw / 1e9:.1f} GB/s, bytes copied per second)",
+    )
+    c = figures["config"]
+    footer = (f"torch threads {c['torch_threads']}, prompts {DECODE_PROMPT_TOKENS} tokens, "
+              f"{c['gen_tokens']} generated per sequence, prefill median of {c['prefill_runs']}; "
+              f"peak RSS {figures['peak_rss_bytes'] / 2**20:,.0f} MiB "
+              f"(whole bench process{'' if c['skip_transformers'] else ', transformers model included'}); "
+              f"wall {figures['wall_s']:.0f} s")
+    return "\n\n".join([main, bound, footer])
+
+
+def _csv(kind: type) -> Any:
+    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", type=_csv(str), default=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", type=_csv(int), default=[1, 8, 32])
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--prefill-runs", type=int, default=3)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads for both engines (default: all CPUs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    args = parser.parse_args()
+    if args.gen_tokens < 2:
+        parser.error("--gen-tokens must be at least 2 (the decode window starts after the first token)")
+    for dtype in args.dtypes:
+        parse_dtype(dtype)
+
+    t_start = time.perf_counter()
+    threads = args.threads
+    torch.set_num_threads(threads)  # both engines run under the same setting
+    progress(f"torch threads {threads}; measuring memcpy bandwidth (512 MiB, best of 5)")
+    bandwidth = memcpy_bandwidth_bytes_per_s()
+    rng = random.Random(args.seed)
+    figures: dict[str, Any] = {
+        "model": MODEL,
+        "config": {"torch_threads": threads, "batch_sizes": args.batch_sizes, "gen_tokens": args.gen_tokens,
+                   "prefill_tokens": PREFILL_TOKENS, "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
+                   "prefill_runs": args.prefill_runs, "skip_transformers": args.skip_transformers},
+        "memcpy_bytes_per_s": bandwidth,
+        "dtypes": {dtype: bench_dtype(dtype, args, bandwidth, rng) for dtype in args.dtypes},
+    }
+    figures["peak_rss_bytes"] = peak_rss_bytes()
+    figures["wall_s"] = time.perf_counter() - t_start
+    if args.json:
+        print_json(figures)
+    else:
+        print(render(figures))
+
+
+if __name__ == "__main__":
+    main()
