@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from actors.engine.engine import Engine
 from actors.engine.output import RequestOutput
@@ -23,6 +24,15 @@ logger = logging.getLogger(__name__)
 
 class EngineDead(RuntimeError):
     """The stepping thread crashed; the engine serves nothing until restarted."""
+
+
+class EngineDeadSignal(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -41,28 +51,61 @@ class AsyncEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        *,
-        extra_keys: tuple[object, ...] = (),
+        **add_kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs until it finishes. Bad input raises before the first yield."""
-        if self._error is not None:
-            raise EngineDead("engine loop failed") from self._error
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        """Streams the request's outputs until it finishes. Bad input raises before the first
+        yield. `add_kwargs` go to `Engine.add_request` (extra_keys, seed, output_token_ids, ...)."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
 
-        def add() -> None:
+        def add() -> asyncio.Queue[RequestOutput | BaseException]:
             with self._lock:
-                self.engine.add_request(request_id, prompt, params, extra_keys=extra_keys)
-                self._queues[request_id] = (loop, queue)
+                self.engine.add_request(request_id, prompt, params, **add_kwargs)
+                return self._open(request_id, loop)
 
-        await asyncio.to_thread(add)
+        queue = await asyncio.to_thread(add)
         self._wakeup.set()
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    def open_stream(self, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Registers where a request's outputs go before it exists in the engine (a reserved
+        handoff that is committed later). Pair with `stream`."""
+        with self._lock:
+            return self._open(request_id, loop)
+
+    async def stream(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    def fail_stream(self, request_id: str, error: BaseException) -> None:
+        """Ends a stream with an error (e.g. its KV never arrived)."""
+        with self._lock:
+            target = self._queues.pop(request_id, None)
+        if target is not None:
+            target[0].call_soon_threadsafe(target[1].put_nowait, error)
+
+    def locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs `fn` on the engine between steps (e.g. reserve, write_blocks, commit)."""
+        with self._lock:
+            result = fn(*args, **kwargs)
+        self._wakeup.set()
+        return result
+
+    def _open(self, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[RequestOutput | BaseException]:
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = (loop, queue)
+        return queue
+
+    async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, EngineDeadSignal):
+                    raise EngineDead("engine loop failed") from item.error
                 if isinstance(item, BaseException):
-                    raise EngineDead("engine loop failed") from item
+                    raise item
                 finished = item.finished
                 yield item
                 if finished:
@@ -70,6 +113,10 @@ class AsyncEngine:
         finally:
             if not finished:
                 await asyncio.to_thread(self.abort, request_id)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDead("engine loop failed") from self._error
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -96,7 +143,7 @@ class AsyncEngine:
                         logger.exception("engine step failed")
                         self._error = e
                         for loop, queue in self._queues.values():
-                            loop.call_soon_threadsafe(queue.put_nowait, e)
+                            loop.call_soon_threadsafe(queue.put_nowait, EngineDeadSignal(e))
                         self._queues.clear()
                         return
                     for out in outputs:

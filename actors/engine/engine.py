@@ -97,6 +97,7 @@ class Engine:
         seed: int | None = None,
         hold_kv: bool = False,
         num_shared_prefix_tokens: int = 0,
+        prefill_only: bool = False,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
         or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
@@ -104,12 +105,14 @@ class Engine:
         Resuming elsewhere (recovery, recompute): pass the tokens already streamed as
         `output_token_ids` and the journaled `seed`; the request continues exactly where it was.
         `hold_kv`: when the request finishes its blocks stay allocated until `release_kv` (a
-        prefill worker ships them first)."""
+        prefill worker ships them first). `prefill_only`: compute the prompt's KV, sample
+        nothing, finish as "prefilled" with the KV held (a prefill worker's job)."""
         req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,
                                 num_shared_prefix_tokens)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        req.hold_kv = hold_kv
+        req.hold_kv = hold_kv or prefill_only
+        req.prefill_only = prefill_only
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)
@@ -273,31 +276,37 @@ class Engine:
         due: list[Request] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            needs_logits = start + n == req.num_tokens
+            needs_logits = start + n == req.num_tokens and not req.prefill_only
             chunks.append(SeqChunk(req.token_ids[start : start + n], start, self.kv.block_ids(req.request_id), needs_logits))
             if needs_logits:
                 due.append(req)
         logits = self.runner.execute(chunks)
+        outputs = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             req.num_forwarded_tokens += n
             self.kv.cache_computed_blocks(req)
+            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+                outputs.append(self._finish(req, RequestStatus.FINISHED_PREFILLED, self.outputs.finish))
         self._num_forwarded_tokens += batch.num_tokens
-        outputs = []
         if due:
             result = self.sampler.sample(logits, [r.sampling for r in due], self.eos_token_ids)
             for req, token_id, lp in zip(due, result.token_ids, result.logprobs):
                 req.append_token(token_id)
                 out, status = self.outputs.on_token(req, token_id, lp, self._check_stop(req, token_id))
                 if status is not None:
-                    self.scheduler.finish(req, status, free_kv=not req.hold_kv)
-                    if req.hold_kv:
-                        self._held[req.request_id] = req
-                    del self.requests[req.request_id]
+                    self._finish(req, status)
                 outputs.append(out)
         self._num_steps += 1
         self._last_step_s = time.perf_counter() - t0
         return outputs
+
+    def _finish(self, req: Request, status: RequestStatus, make_output=None):  # type: ignore[no-untyped-def]
+        self.scheduler.finish(req, status, free_kv=not req.hold_kv)
+        if req.hold_kv:
+            self._held[req.request_id] = req
+        del self.requests[req.request_id]
+        return make_output(req) if make_output else None
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         p = req.params

@@ -25,7 +25,7 @@ class RequestOutput:
     token_ids: tuple[int, ...]  # all output tokens so far
     logprobs: tuple[TokenLogprobs | None, ...] = ()
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -102,7 +102,7 @@ class OutputProcessor:
         return out, status
 
     def finish(self, req: Request) -> RequestOutput:
-        """Output of a request that ended without a token (abort)."""
+        """Output of a request that ended without a token (abort, prefill-only)."""
         st = self._states.pop(req.request_id, None)
         text = st.text[: st.emitted] if st else ""
         return RequestOutput(

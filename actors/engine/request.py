@@ -23,11 +23,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_PREFILLED = "prefilled"  # prefill-only: the prompt's KV is computed and held
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILLED)
 
 
 @dataclass(eq=False)
@@ -47,6 +48,7 @@ class Request:
     num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     hold_kv: bool = False  # keep blocks after finishing, until the engine's release_kv
+    prefill_only: bool = False  # compute the prompt's KV, sample nothing
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)

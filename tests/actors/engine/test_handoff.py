@@ -115,3 +115,30 @@ def test_tenant_salt_and_shared_prefix(tiny_llama_dir):
     d = engine.add_request("d1", p, params, extra_keys=("tenant-d",), num_shared_prefix_tokens=32)
     run_to_end(engine)
     assert d.num_prefix_hit_tokens == 32
+
+
+def test_prefill_only_then_decode_engine_samples_everything(tiny_llama_dir):
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True)
+    batch = prompts(3, 33, seed=53)
+    want = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64)).generate(batch, params)
+    prefill = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64, max_num_batched_tokens=48))
+    decode = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64))
+    for i, p in enumerate(batch):
+        prefill.add_request(f"r{i}", p, params, prefill_only=True)
+    outs = []
+    while prefill.has_unfinished_requests():
+        outs += prefill.step()
+    assert sorted(o.finish_reason for o in outs) == ["prefilled"] * 3
+    assert all(o.token_ids == () for o in outs)
+    for i, p in enumerate(batch):
+        block_ids, num_kv = prefill.held_kv(f"r{i}")
+        assert num_kv == len(p)
+        # the decode side recomputes the last prompt token to get its logits
+        dst = decode.reserve(f"r{i}", p, [], params, seed=3, num_kv_tokens=len(p) - 1)
+        decode.runner.write_blocks(dst, prefill.runner.read_blocks(block_ids)[:, :, : len(dst)])
+        prefill.release_kv(f"r{i}")
+        decode.commit(f"r{i}")
+    got = run_to_end(decode)
+    assert [got[f"r{i}"] for i in range(3)] == [list(w.token_ids) for w in want]
+    assert decode.stats().num_forwarded_tokens == 3 * 10  # 1 recomputed prompt token + 9 decodes each
+    assert prefill.kv.pool.num_free_blocks == 64
