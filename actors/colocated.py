@@ -1,0 +1,55 @@
+"""The colocated worker: prefill and decode of a request in one engine, the baseline of disaggregation.
+
+Mental model: a thin shell over `AsyncEngine.generate` that speaks the data plane's messages
+(`GenerationRequest` in, `TokenEvent`s out, `WorkerLoad` for the scheduler). It is what small
+deployments run, what disaggregation has to beat on the same requests, and what a decode worker
+uses for requests that need no handoff (1-token prompts, resumes from a journal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from actors.engine.async_engine import AsyncEngine
+from actors.messages import GenerationRequest, TokenEvent, WorkerKind, WorkerLoad
+
+
+def engine_alive(async_engine: AsyncEngine) -> bool:
+    # AsyncEngine keeps the stepping thread's fatal error; it has no public accessor yet.
+    return getattr(async_engine, "_error", None) is None
+
+
+def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserved: int = 0) -> WorkerLoad:
+    """Blocking (waits for the engine lock, up to one step): call it off the event loop."""
+    s = async_engine.stats()
+    return WorkerLoad(name=name, kind=kind, num_running=s.num_running, num_waiting=s.num_waiting,
+                      num_reserved=num_reserved, num_free_blocks=s.num_blocks_free,
+                      num_total_blocks=s.num_blocks_total, last_step_s=s.last_step_s,
+                      healthy=engine_alive(async_engine))
+
+
+class ColocatedWorker:
+    def __init__(self, async_engine: AsyncEngine, name: str = "colocated") -> None:
+        self.engine = async_engine
+        self.name = name
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Streams the request's deltas; bad input raises before the first one. Closing the
+        iterator early aborts the request and frees its blocks."""
+        outputs = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
+                                       **req.engine_kwargs())
+        try:
+            async for out in outputs:
+                yield TokenEvent.of(out, self.name)
+        finally:
+            await outputs.aclose()  # runs the engine stream's abort-on-early-exit now, not at GC
+
+    async def abort(self, request_id: str) -> bool:
+        return await asyncio.to_thread(self.engine.abort, request_id)
+
+    async def load(self) -> WorkerLoad:
+        return await asyncio.to_thread(read_load, self.engine, self.name, "colocated")
+
+    def close(self) -> None:
+        self.engine.shutdown()

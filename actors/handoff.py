@@ -1,0 +1,59 @@
+"""The small agreements both ends of a KV handoff must share: tag, layout, block chain, block count.
+
+Mental model: a prefill worker and a decode worker never exchange Python objects for the KV, only
+codec shards. They agree, without talking, on
+- the transfer tag: a stable 63-bit hash of the request id (shards carry it in their header and
+  the transport's tag; the receiver finds its reservation by it),
+- the KV layout (model, layers, heads, head_dim, block size) the codec checks on every shard,
+- the request's chained block hashes (the engine's own `Request` computes them, salt and shared
+  prefix included, so the pool, both engines and the router all name a block the same way),
+- how many blocks travel: those holding the first `len(prompt) - 1` tokens, since the decode
+  engine recomputes the last prompt token to sample the first output token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from actors.engine.block_hash import BlockHash
+from actors.engine.engine import Engine
+from actors.engine.request import Request
+from actors.engine.sampling import SamplingState
+from actors.messages import GenerationRequest
+from transfer.codec import KVLayout
+
+TAG_BITS = 63
+
+
+def transfer_tag(request_id: str) -> int:
+    """Stable across processes (never Python's salted `hash`), non-negative, fits an int64."""
+    digest = hashlib.sha256(b"kv:" + request_id.encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> (64 - TAG_BITS)
+
+
+def kv_layout(engine: Engine) -> KVLayout:
+    m = engine.model_config
+    return KVLayout(model=m.name, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                    head_dim=m.head_dim, block_size=engine.cfg.block_size)
+
+
+def prompt_block_hashes(req: GenerationRequest, block_size: int) -> list[BlockHash]:
+    """Hashes of the prompt's full blocks, exactly as an engine admitting `req` computes them."""
+    # Building the engine's Request (cheap: no model work) keeps one definition of the chain,
+    # including the shared-prefix rule that leaves the salt out of opted-in blocks.
+    state = SamplingState(params=req.params, seed=req.seed or 0, prompt_token_ids=list(req.prompt_token_ids),
+                          output_token_ids=[])
+    shadow = Request(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling=state,
+                     block_size=block_size, extra_keys=tuple(req.cache_salt or ()),
+                     num_shared_prefix_tokens=req.num_shared_prefix_tokens)
+    return list(shadow.block_hashes)
+
+
+def num_handoff_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks that hold the KV of every prompt token but the last."""
+    return -(-(num_prompt_tokens - 1) // block_size)
+
+
+def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full prompt blocks a prefill can take from a cache: at least one token is always computed."""
+    return (num_prompt_tokens - 1) // block_size

@@ -1,0 +1,158 @@
+"""The decode side's landing strip: shards in, written into reserved blocks, request committed.
+
+Mental model: a decode worker `expect`s a request once its blocks are reserved; from then on the
+request is a `_Reservation` keyed by its transfer tag, with a lease deadline. One thread loops on
+`transport.recv(poll)`: each arriving shard is decoded, checked against its reservation (tag, block
+count, layers) and written into the reserved blocks between engine steps; its delivery is released
+at once so the sender's next shards get the room. When every shard of the transfer has landed the
+request is committed into the running batch. The same loop expires reservations whose lease
+passed: their blocks are freed and their streams fail with `KVNotArrived`. Shards of an unknown
+tag (late, or of an expired or aborted request) are released and dropped.
+
+Locking: `_lock` guards the reservations and is held across "find reservation -> write blocks ->
+commit" so that an abort cannot free blocks that are being written (the engine lock is only ever
+taken inside `_lock`, never the other way round).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from actors.engine.async_engine import AsyncEngine
+from actors.errors import HandoffFailed, KVNotArrived, RequestAborted
+from actors.handoff import transfer_tag
+from transfer.codec import KVLayout, decode_shard
+from transfer.transport import Delivery, KVTransport, TransferError, TransferTimeout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    block_ids: list[int]
+    deadline: float  # time.monotonic()
+    shards_seen: set[int] = field(default_factory=set)
+    wire_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    num_pending: int
+    num_committed: int
+    num_expired: int
+    num_failed: int
+    num_dropped_shards: int  # late or unknown
+    wire_bytes: int
+
+
+class KVReceiver:
+    def __init__(self, async_engine: AsyncEngine, transport: KVTransport, layout: KVLayout,
+                 poll_s: float = 0.05) -> None:
+        self.engine = async_engine
+        self.transport = transport
+        self.layout = layout
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Reservation] = {}
+        self._num_committed = self._num_expired = self._num_failed = self._num_dropped = 0
+        self._wire_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-recv-{transport.name}", daemon=True)
+        self._thread.start()
+
+    def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> None:
+        """Starts the lease of a reservation the engine already holds (`Engine.reserve`)."""
+        with self._lock:
+            tag = transfer_tag(request_id)
+            assert tag not in self._pending, f"{request_id} is already expected"
+            self._pending[tag] = _Reservation(request_id, block_ids, time.monotonic() + lease_s)
+
+    def cancel(self, request_id: str, error: BaseException) -> bool:
+        """Frees a pending reservation and fails its stream; False if it is not pending."""
+        with self._lock:
+            res = self._pending.pop(transfer_tag(request_id), None)
+            if res is not None:
+                self._drop(res, error)
+        return res is not None
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return ReceiverStats(len(self._pending), self._num_committed, self._num_expired, self._num_failed,
+                                 self._num_dropped, self._wire_bytes)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=max(1.0, 4 * self.poll_s))
+        with self._lock:
+            for res in list(self._pending.values()):
+                self._drop(res, RequestAborted(f"{res.request_id}: decode worker closed"))
+            self._pending.clear()
+
+    # ------------------------------------------------------------------------ receiver thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                delivery = self.transport.recv(timeout_s=self.poll_s)
+            except TransferTimeout:
+                delivery = None
+            except TransferError as e:  # e.g. a sender died with its shard: its lease will expire
+                logger.warning("%s: receive failed: %s", self.transport.name, e)
+                delivery = None
+            try:
+                if delivery is not None:
+                    with delivery:
+                        self._land(delivery)
+                self._expire(time.monotonic())
+            except Exception:  # keep landing other requests' KV; this one's lease will expire
+                logger.exception("%s: receiver step failed", self.transport.name)
+
+    def _land(self, d: Delivery) -> None:
+        with self._lock:
+            res = self._pending.get(d.tag)
+            if res is None:
+                self._num_dropped += 1
+                logger.info("%s: dropped a shard of unknown or expired tag %#x", self.transport.name, d.tag)
+                return
+            try:
+                shard = decode_shard(d.data, self.layout)
+                h = shard.header
+                if h.transfer_id != d.tag or h.num_blocks != len(res.block_ids):
+                    raise HandoffFailed(f"{res.request_id}: shard of transfer {h.transfer_id:#x} with "
+                                        f"{h.num_blocks} blocks for {len(res.block_ids)} reserved ones")
+                self.engine.locked(self.engine.engine.runner.write_blocks, res.block_ids, shard.kv, shard.layers)
+            except (TransferError, ValueError, HandoffFailed) as e:
+                del self._pending[d.tag]
+                self._num_failed += 1
+                self._drop(res, e if isinstance(e, HandoffFailed) else HandoffFailed(f"{res.request_id}: {e}"))
+                return
+            res.shards_seen.add(h.shard_index)
+            res.wire_bytes += len(d.data)
+            if len(res.shards_seen) == h.num_shards:
+                del self._pending[d.tag]
+                self.engine.locked(self.engine.engine.commit, res.request_id)
+                self._num_committed += 1
+                self._wire_bytes += res.wire_bytes
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            expired = [tag for tag, res in self._pending.items() if res.deadline <= now]
+            for tag in expired:
+                res = self._pending.pop(tag)
+                self._num_expired += 1
+                logger.warning("%s: KV of %s did not arrive within its lease (%d/? shards)",
+                               self.transport.name, res.request_id, len(res.shards_seen))
+                self._drop(res, KVNotArrived(f"{res.request_id}: KV did not arrive before its lease expired"))
+
+    def _drop(self, res: _Reservation, error: BaseException) -> None:
+        # Caller holds _lock. Blocks first, so nothing reads or writes them once the stream fails.
+        self.engine.locked(self.engine.engine.cancel_reservation, res.request_id)
+        self.engine.fail_stream(res.request_id, error)

@@ -1,0 +1,139 @@
+"""What crosses actor calls in the data plane: a request, a prefill's report, a worker's load, a token.
+
+Mental model: these are the envelopes of one disaggregated request. The caller builds a
+`GenerationRequest` once (everything the engines need, the seed already resolved so the request can
+be journaled and resumed anywhere); the decode worker and the prefill worker both receive it; the
+prefill worker answers with a `PrefillResult` (what it reused, computed and shipped, and how long
+each stage took); the decode worker streams `TokenEvent`s. `WorkerLoad` is what a placement policy
+(and later the cluster scheduler) reads. Ray pickles them, so they hold plain fields only: ints,
+floats, strings, tuples, and the engine's own frozen `SamplingParams` / `RequestOutput`.
+
+Timestamps that leave a process are wall-clock (`time.time()`): monotonic clocks of two machines
+share no origin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from actors.engine.output import RequestOutput
+from actors.engine.sampling import SamplingParams
+
+WorkerKind = Literal["prefill", "decode", "colocated"]
+CacheKey = str | int | bytes  # what the engine's block hashes accept as extra keys
+
+
+def tenant_cache_salt(tenant: str) -> tuple[CacheKey, ...]:
+    """Default block-hash salt: equal prompts of two tenants never share KV blocks."""
+    return (f"tenant:{tenant}",)
+
+
+def draw_seed(request_id: str) -> int:
+    """A seed that is a pure function of the request id: a retried request samples the same way."""
+    return int.from_bytes(hashlib.sha256(b"seed:" + request_id.encode()).digest()[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    tenant: str = "default"
+    # None: params.seed, else derived from the request id. Resolved here, not by an engine, so the
+    # decode engine, a resumed copy and the recovery journal all agree on it.
+    seed: int | None = None
+    # None: the tenant's salt (isolation by default). () opts the whole prompt into sharing.
+    cache_salt: tuple[CacheKey, ...] | None = None
+    # Leading tokens hashed without the salt: a system prompt shared across tenants on purpose.
+    num_shared_prefix_tokens: int = 0
+    output_token_ids: tuple[int, ...] = ()  # already streamed elsewhere: resume after them
+    arrival_time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__  # frozen: normalise once, before anyone sees the object
+        put(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        put(self, "output_token_ids", tuple(int(t) for t in self.output_token_ids))
+        if self.seed is None:
+            put(self, "seed", self.params.seed if self.params.seed is not None else draw_seed(self.request_id))
+        if self.cache_salt is None:
+            put(self, "cache_salt", tenant_cache_salt(self.tenant))
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        if self.num_shared_prefix_tokens < 0:
+            raise ValueError("num_shared_prefix_tokens must be >= 0")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def needs_handoff(self) -> bool:
+        """False for what a decode worker runs alone: a 1-token prompt has no KV to hand over
+        (its only token is recomputed by the first decode), and a resume recomputes its tokens."""
+        return self.num_prompt_tokens >= 2 and not self.output_token_ids
+
+    def engine_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of `Engine.add_request` / `AsyncEngine.generate` for this request."""
+        return {
+            "extra_keys": self.cache_salt,
+            "num_shared_prefix_tokens": self.num_shared_prefix_tokens,
+            "seed": self.seed,
+            "output_token_ids": self.output_token_ids,
+        }
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What one prefill did. Block counts are full blocks of the prompt; times are seconds."""
+
+    request_id: str
+    worker: str
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens this prefill ran through the model
+    num_local_hit_blocks: int  # found in the prefill engine's own prefix cache
+    num_pool_hit_blocks: int  # fetched from the prefix-cache pool and imported
+    num_kv_blocks: int  # blocks shipped to the decode worker
+    kv_raw_bytes: int  # their KV before compression
+    kv_wire_bytes: int  # as sent: compressed, with shard headers
+    num_shards: int
+    queued_s: float  # arrival -> this worker started on it
+    lookup_s: float  # local + pool prefix lookup, pool fetch and import
+    compute_s: float  # the prefill-only engine run
+    transfer_s: float  # read blocks, encode, send until the receiver holds every shard
+    finished_at: float  # wall clock
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load as the scheduler sees it."""
+
+    name: str
+    kind: WorkerKind
+    num_running: int
+    num_waiting: int
+    num_reserved: int  # decode: announced requests whose KV has not landed yet
+    num_free_blocks: int
+    num_total_blocks: int
+    last_step_s: float
+    healthy: bool
+
+    @property
+    def num_active(self) -> int:
+        return self.num_running + self.num_waiting + self.num_reserved
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One streamed delta (usually one token) and when its worker produced it (wall clock)."""
+
+    output: RequestOutput
+    emitted_at: float
+    worker: str
+
+    @classmethod
+    def of(cls, output: RequestOutput, worker: str) -> "TokenEvent":
+        # RequestOutput.time is the engine's monotonic clock: shift it onto the wall clock.
+        return cls(output, time.time() - (time.monotonic() - output.time), worker)

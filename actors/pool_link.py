@@ -1,0 +1,121 @@
+"""A prefill worker's two uses of the prefix-cache pool: fetch the next blocks of a chain, offer new ones.
+
+Mental model: the pool stores one KV block per chained hash as an opaque payload; here a payload is
+a codec shard of exactly one block (all layers), carrying its hash in the header. `fetch` asks the
+pool for the leading run of a hash chain and decodes it into one [L, 2, n, bs, Hkv, D] tensor,
+stopping at the first payload that does not decode or names another hash (a miss, never an error).
+`offer` runs in the background on one thread: it asks the pool how much of the chain it already
+has and puts only the rest, so a popular prefix is sent once, not once per request. Offers beyond
+`max_pending` are dropped: the cache is an optimisation and must never queue without bound.
+
+The pool turns store failures into misses within its deadline; this class adds none of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.block_hash import BlockHash
+from actors.prefix_cache.pool import PrefixCachePool
+from transfer.codec import KVLayout, decode_shard, encode
+from transfer.transport import TransferError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolLinkStats:
+    num_fetched_blocks: int
+    num_offered_blocks: int  # handed to the pool (it already had the others)
+    num_stored_blocks: int  # the pool reported as new
+    num_dropped_offers: int  # not attempted: too many in flight
+    num_pending_offers: int
+
+
+class PoolLink:
+    def __init__(self, pool: PrefixCachePool, layout: KVLayout, compression: str = "none",
+                 max_pending: int = 64) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.compression = compression
+        self.max_pending = max_pending
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-offer")
+        self._lock = threading.Lock()
+        self._pending: set[Future[int]] = set()
+        self._num_fetched = self._num_offered = self._num_stored = self._num_dropped = 0
+
+    def fetch(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
+        """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds. Blocking."""
+        if not hashes:
+            return [], None
+        kvs: list[torch.Tensor] = []
+        for h, payload in zip(hashes, self.pool.get_prefix(hashes)):
+            try:
+                shard = decode_shard(payload, self.layout)
+            except (TransferError, ValueError) as e:
+                logger.warning("prefix pool block %032x does not decode (%s); treating it as a miss", h, e)
+                break
+            hdr = shard.header
+            if hdr.block_hashes != (int(h),) or hdr.layers != range(self.layout.num_layers):
+                logger.warning("prefix pool block %032x holds another block; treating it as a miss", h)
+                break
+            kvs.append(shard.kv)
+        with self._lock:
+            self._num_fetched += len(kvs)
+        # cat copies: the result no longer points into the payloads
+        return list(hashes[: len(kvs)]), torch.cat(kvs, dim=2) if kvs else None
+
+    def offer(self, hashes: Sequence[BlockHash], kv: torch.Tensor) -> bool:
+        """Queues the full blocks `hashes` (KV [L, 2, n, ...], a private copy) for the pool; False
+        when dropped because too many offers are in flight."""
+        assert kv.shape[2] == len(hashes)
+        if not hashes:
+            return True
+        with self._lock:
+            if len(self._pending) >= self.max_pending:
+                self._num_dropped += 1
+                return False
+            future = self._executor.submit(self._offer, list(hashes), kv)
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+        return True
+
+    def _offer(self, hashes: list[BlockHash], kv: torch.Tensor) -> int:
+        have = self.pool.match_prefix(hashes)
+        blocks = []
+        for j in range(have, len(hashes)):
+            (payload,) = encode(kv[:, :, j : j + 1], self.layout, compression=self.compression, num_shards=1,
+                                block_hashes=[hashes[j]])
+            blocks.append((hashes[j], bytes(payload)))
+        stored = self.pool.put(blocks).wait() if blocks else 0
+        with self._lock:
+            self._num_offered += len(blocks)
+            self._num_stored += stored
+        return stored
+
+    def _done(self, future: Future[int]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            logger.warning("offering blocks to the prefix pool failed: %r", future.exception())
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits for the offers in flight; True if all finished in time."""
+        with self._lock:
+            pending = set(self._pending)
+        _, not_done = wait(pending, timeout=timeout_s)
+        return not not_done
+
+    def stats(self) -> PoolLinkStats:
+        with self._lock:
+            return PoolLinkStats(self._num_fetched, self._num_offered, self._num_stored, self._num_dropped,
+                                 len(self._pending))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

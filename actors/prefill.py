@@ -1,0 +1,140 @@
+"""The prefill worker: computes a prompt's KV, reusing every cached block it can, and ships it to decode.
+
+Mental model, one `prefill(req, decode_peer)`:
+  1. lookup: the prompt's chained block hashes (salted per tenant) -> how many leading blocks this
+     engine's own prefix cache holds -> the next blocks of the chain from the prefix-cache pool,
+     decoded and imported into the engine's prefix cache, so step 2 reuses them like local ones;
+  2. compute: a prefill-only engine run (chunked, batched with other prefills): only the tokens
+     after the reused prefix go through the model; the KV stays held, nothing is sampled;
+  3. transfer: the blocks of the first `len(prompt) - 1` tokens are read, encoded (compressed, in
+     layer-group shards) and sent to the decode worker's endpoint; the held blocks are released
+     once the receiver holds every shard, or on any failure;
+  4. in the background, the prompt's full blocks the pool lacks are offered to it.
+The answer is a `PrefillResult` with the counts and the time of each stage. Every blocking call
+(engine lock, pool, transport) runs on this worker's threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from actors.colocated import read_load
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.block_hash import BlockHash
+from actors.engine.engine import Engine
+from actors.handoff import num_handoff_blocks, num_reusable_blocks, prompt_block_hashes, transfer_tag
+from actors.messages import GenerationRequest, PrefillResult, WorkerLoad
+from actors.pool_link import PoolLink, PoolLinkStats
+from actors.prefix_cache.pool import PrefixCachePool
+from actors.worker_config import WorkerConfig
+from transfer.codec import KVLayout, encode
+from transfer.transport import KVTransport, SendStats
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PrefillWorker:
+    def __init__(self, cfg: WorkerConfig, async_engine: AsyncEngine, transport: KVTransport, layout: KVLayout,
+                 prefix_pool: PrefixCachePool | None = None, name: str | None = None) -> None:
+        self.cfg = cfg
+        self.engine = async_engine
+        self.transport = transport
+        self.layout = layout
+        self.name = name or transport.name
+        self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
+        # Enough threads that a slow send or pool fetch does not hold up other requests' lookups.
+        self._threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"prefill-{self.name}")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
+
+    @property
+    def _engine(self) -> Engine:
+        return self.engine.engine
+
+    async def prefill(self, req: GenerationRequest, decode_peer: str) -> PrefillResult:
+        """Computes the prompt's KV and sends it to `decode_peer` (a name `add_peer` returned).
+        Raises the engine's `InvalidRequest` for bad input and `TransferError`s of the send."""
+        started = time.time()
+        if not req.needs_handoff:
+            raise ValueError(f"{req.request_id}: nothing to hand over; the decode worker runs it alone")
+        num_prompt = req.num_prompt_tokens
+        hashes = prompt_block_hashes(req, self.layout.block_size)
+        reusable = hashes[: num_reusable_blocks(num_prompt, self.layout.block_size)]
+        num_local, num_pool = await self._call(self._lookup, reusable)
+        looked_up = time.time()
+
+        final = None
+        async for out in self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
+                                              prefill_only=True, extra_keys=req.cache_salt, seed=req.seed,
+                                              num_shared_prefix_tokens=req.num_shared_prefix_tokens):
+            final = out
+        assert final is not None and final.finish_reason == "prefilled", final
+        computed = time.time()
+        try:
+            kv, sent = await self._call(self._ship, req, hashes, decode_peer)
+        finally:
+            await self._call(self.engine.locked, self._engine.release_kv, req.request_id)
+        shipped = time.time()
+        if self.pool is not None:
+            self.pool.offer(hashes, kv[:, :, : len(hashes)])  # full blocks only: a partial one has no hash
+        return PrefillResult(
+            request_id=req.request_id, worker=self.name, num_prompt_tokens=num_prompt,
+            num_computed_tokens=num_prompt - final.num_cached_tokens, num_local_hit_blocks=num_local,
+            num_pool_hit_blocks=num_pool, num_kv_blocks=kv.shape[2], kv_raw_bytes=sent.raw_bytes,
+            kv_wire_bytes=sent.wire_bytes, num_shards=sent.num_shards, queued_s=max(0.0, started - req.arrival_time),
+            lookup_s=looked_up - started, compute_s=computed - looked_up, transfer_s=shipped - computed,
+            finished_at=shipped,
+        )
+
+    def _lookup(self, reusable: list[BlockHash]) -> tuple[int, int]:
+        """(blocks in the local prefix cache, blocks fetched from the pool and imported after them)."""
+        num_local = self.engine.locked(self._engine.cached_prefix_len, reusable)
+        if self.pool is None or num_local >= len(reusable):
+            return num_local, 0
+        got, kv = self.pool.fetch(reusable[num_local:])
+        if kv is None:
+            return num_local, 0
+        # 0 when the engine has no free block to put them in: they are then simply recomputed
+        return num_local, self.engine.locked(self._engine.import_cached_blocks, got, kv)
+
+    def _ship(self, req: GenerationRequest, hashes: list[BlockHash], decode_peer: str) -> tuple[torch.Tensor, SendStats]:
+        block_ids, _ = self.engine.locked(self._engine.held_kv, req.request_id)
+        n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)
+        kv = self.engine.locked(self._engine.runner.read_blocks, block_ids[:n])  # [L, 2, n, bs, Hkv, D], a copy
+        tag = transfer_tag(req.request_id)
+        shards = encode(kv, self.layout, compression=self.cfg.compression,
+                        num_shards=min(self.cfg.num_shards, self.layout.num_layers),
+                        block_hashes=[*hashes[:n], *[0] * (n - len(hashes[:n]))], transfer_id=tag)
+        return kv, self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)
+
+    # ------------------------------------------------------------------------ wiring, stats
+    async def add_peer(self, metadata: bytes) -> str:
+        """Learns a decode worker's endpoint; returns the name to pass to `prefill`."""
+        return await self._call(self.transport.add_peer, metadata)
+
+    async def flush_offers(self, timeout_s: float = 10.0) -> bool:
+        """Waits until background pool offers are done (tests, orderly shutdown)."""
+        return True if self.pool is None else await self._call(self.pool.flush, timeout_s)
+
+    def pool_stats(self) -> PoolLinkStats | None:
+        return None if self.pool is None else self.pool.stats()
+
+    async def load(self) -> WorkerLoad:
+        return await self._call(read_load, self.engine, self.name, "prefill")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+        self.engine.shutdown()

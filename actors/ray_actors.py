@@ -1,0 +1,131 @@
+"""Ray at the edge of the data plane: the workers as actors, and the wiring of one deployment.
+
+Mental model: each actor is its plain worker class with a constructor that builds the worker's
+collaborators inside the actor's own process (load the model, start the engine thread, open the
+transport endpoint, connect to the prefix-cache stores), so only a frozen `WorkerConfig` crosses
+the wire. They are async actors: streams, announces and the transport's threads run concurrently,
+and every worker method that may block runs on a thread. CPUs are fractional (a quarter each) so
+the embedded default, 1 prefill + 1 decode + 1 cache actor, fits on 2 cores; `torch_threads`
+decides how many cores each one's kernels really use.
+
+`start_pd` wires a deployment: store actors, decode actors, prefill actors that know every decode
+endpoint (they `add_peer` its transport metadata) and the stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from ray.actor import ActorHandle
+
+from actors.colocated import ColocatedWorker
+from actors.decode import DecodeWorker
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.engine import Engine
+from actors.handoff import kv_layout
+from actors.pd_client import PDClient
+from actors.placement import Placement
+from actors.prefill import PrefillWorker
+from actors.prefix_cache.actor import RayStoreHandle, start_store_actors
+from actors.prefix_cache.handles import StoreHandle
+from actors.prefix_cache.pool import PrefixCachePool
+from actors.prefix_cache.ring import StoreId
+from actors.prefix_cache.store import PrefixCacheConfig
+from actors.worker_config import ClientConfig, WorkerConfig
+from transfer.config import make_transport
+from transfer.transport import KVTransport
+
+logger = logging.getLogger(__name__)
+
+WORKER_NUM_CPUS = 0.25
+START_TIMEOUT_S = 180.0  # model load in a fresh process on a busy 2-core box
+
+
+def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine))
+
+
+def _open_transport(cfg: WorkerConfig, name: str) -> KVTransport:
+    if cfg.ucx_net_devices is not None:
+        # UCX reads this when NIXL's agent starts; without it UCX also listens on every interface.
+        os.environ.setdefault("UCX_NET_DEVICES", cfg.ucx_net_devices)
+    return make_transport(name, cfg.transfer)
+
+
+class PrefillActor(PrefillWorker):
+    def __init__(self, cfg: WorkerConfig, name: str, stores: Mapping[StoreId, StoreHandle] | None = None,
+                 torch_threads: int | None = None) -> None:
+        engine = _load_engine(cfg, torch_threads)
+        pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
+        super().__init__(cfg, engine, _open_transport(cfg, name), kv_layout(engine.engine), pool, name)
+
+
+class DecodeActor(DecodeWorker):
+    def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
+        engine = _load_engine(cfg, torch_threads)
+        super().__init__(cfg, engine, _open_transport(cfg, name), kv_layout(engine.engine), name)
+
+
+class ColocatedActor(ColocatedWorker):
+    def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
+        super().__init__(_load_engine(cfg, torch_threads), name)
+
+
+RemotePrefill = ray.remote(num_cpus=WORKER_NUM_CPUS, max_restarts=0)(PrefillActor)
+RemoteDecode = ray.remote(num_cpus=WORKER_NUM_CPUS, max_restarts=0)(DecodeActor)
+RemoteColocated = ray.remote(num_cpus=WORKER_NUM_CPUS, max_restarts=0)(ColocatedActor)
+
+
+@dataclass
+class PDDeployment:
+    prefills: dict[str, ActorHandle]
+    decodes: dict[str, ActorHandle]  # keyed by transport endpoint name, as prefills know them
+    stores: dict[StoreId, RayStoreHandle] = field(default_factory=dict)
+
+    def client(self, cfg: ClientConfig | None = None, placement: Placement | None = None,
+               prefills: list[str] | None = None) -> PDClient:
+        """A caller over all workers, or over the named prefill workers only."""
+        chosen = {n: self.prefills[n] for n in prefills} if prefills is not None else self.prefills
+        return PDClient(chosen, self.decodes, cfg, placement)
+
+    def shutdown(self) -> None:
+        """Kills every actor of the deployment (their transports and store folders go with them)."""
+        handles = [*self.prefills.values(), *self.decodes.values(), *(s.actor for s in self.stores.values())]
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already dead: nothing to stop
+                pass
+
+
+def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
+             cache: PrefixCacheConfig | None = None, num_cache: int = 1, torch_threads: int | None = None,
+             name_prefix: str | None = None, timeout_s: float = START_TIMEOUT_S) -> PDDeployment:
+    """Starts and wires a deployment; returns once every worker answers. `cache=None` or
+    `num_cache=0`: no prefix-cache pool."""
+    prefix = name_prefix or f"ferry-{uuid.uuid4().hex[:6]}"
+    stores = start_store_actors(cache, num_cache, id_prefix=f"{prefix}-cache") if cache and num_cache else {}
+    decodes = {f"{prefix}-decode-{i}": RemoteDecode.remote(cfg, f"{prefix}-decode-{i}", torch_threads)
+               for i in range(num_decode)}
+    prefills = {f"{prefix}-prefill-{i}": RemotePrefill.remote(cfg, f"{prefix}-prefill-{i}", stores or None,
+                                                             torch_threads)
+                for i in range(num_prefill)}
+    deployment = PDDeployment(prefills, decodes, dict(stores))
+    try:
+        metadata = ray.get([d.transport_metadata.remote() for d in decodes.values()], timeout=timeout_s)
+        for prefill in prefills.values():
+            names = ray.get([prefill.add_peer.remote(m) for m in metadata], timeout=timeout_s)
+            assert names == list(decodes), (names, list(decodes))
+    except BaseException:
+        deployment.shutdown()
+        raise
+    logger.info("started %d prefill, %d decode, %d cache actors (%s)", num_prefill, num_decode, len(stores), prefix)
+    return deployment
