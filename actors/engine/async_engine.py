@@ -10,6 +10,7 @@ request, which frees its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -63,10 +64,15 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt, params, **add_kwargs)
                 return self._open(request_id, loop)
 
-        queue = await asyncio.to_thread(add)
+        try:
+            queue = await asyncio.to_thread(add)
+        except asyncio.CancelledError:
+            self._abort_soon(request_id)  # the thread may still add it after we were cancelled
+            raise
         self._wakeup.set()
-        async for out in self._drain(request_id, queue):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, queue)) as outputs:
+            async for out in outputs:
+                yield out
 
     def open_stream(self, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[RequestOutput | BaseException]:
         """Registers where a request's outputs go before it exists in the engine (a reserved
@@ -75,8 +81,9 @@ class AsyncEngine:
             return self._open(request_id, loop)
 
     async def stream(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
-        async for out in self._drain(request_id, queue):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, queue)) as outputs:
+            async for out in outputs:
+                yield out
 
     def fail_stream(self, request_id: str, error: BaseException) -> None:
         """Ends a stream with an error (e.g. its KV never arrived)."""
@@ -112,7 +119,16 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                await asyncio.to_thread(self.abort, request_id)
+                self._abort_soon(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        # Not awaited on purpose: a cancelled consumer (client gone) may be cancelled again inside
+        # its cleanup, and the abort must happen anyway. The executor runs it whatever we do next.
+        asyncio.get_running_loop().run_in_executor(None, self.abort, request_id)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and self._thread.is_alive()
 
     def _check_alive(self) -> None:
         if self._error is not None:

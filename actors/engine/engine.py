@@ -78,7 +78,7 @@ class Engine:
         with torch.device("meta"):
             net = CausalLM(loaded.config)
         net = net.to_empty(device="cpu")
-        net.rope.__init__(loaded.config)  # buffers are not weights: rebuild them off the meta device
+        net.rope.reset_tables()  # derived from the config, not loaded: rebuild off the meta device
         net.load_weights(loaded.tensors)
         net.eval()
         logger.info("loaded %s in %.1fs", path, time.perf_counter() - t0)

@@ -71,12 +71,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(0), persistent=False)  # [max_pos, D]
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        if self.cos.device.type != "meta":  # on meta, `reset_tables` runs once the model is real
+            self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)computes the tables; needed after building the model on the meta device, since
+        they are derived from the config, not loaded with the weights."""
+        inv_freq = rope_inv_freq(self.cfg).to(self.cos.device)
+        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, D]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for a batch, gathered once per forward and shared by every layer."""
