@@ -1,0 +1,303 @@
+"""KV transfer benchmark: transport GB/s against this machine's limits, codec cost, and the quality
+price of compressed KV on SmolLM2. One run, one table per part; `--json` prints the same figures.
+
+Throughput is a round trip, the same for every row: the sender starts with the bytes in its memory
+and stops the clock when the receiver says it has them in its own (preallocated) buffer. `memcpy` is
+one copy in one process; `shm` copies into a shared segment, signals over a pipe, and the receiver
+copies out and acks: the limits a transport between two processes on one machine works against.
+Quality: prefill a prompt, ship its KV through the codec into fresh blocks, decode 64 greedy tokens
+from each copy. "forced" feeds every copy the reference's tokens (per-step agreement and the max
+logit difference); "free" lets each copy follow its own greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from typing import Any
+
+# Run as `python bench/transfer.py`, this file's folder comes first on sys.path and its own name
+# would shadow the `transfer` package it measures.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from transfer.codec import Compression, KVLayout, decode, decode_shard, encode  # noqa: E402
+from transfer.nixl import NixlConfig, NixlTransport, nixl_available  # noqa: E402
+
+MIB = 1 << 20
+GB = 1e9
+PROMPTS = [
+    "The history of the printing press begins in", "Photosynthesis is the process by which plants",
+    "Write a short story about a lighthouse keeper who", "The three laws of thermodynamics state that",
+    "In Python, a list comprehension is a concise way to", "The capital of Australia is Canberra, which",
+    "A good recipe for banana bread needs", "The main causes of the French Revolution were",
+    "To train a neural network, you first need", "Once upon a time in a small village by the sea,",
+    "The difference between a virus and a bacterium is", "Explain how a bicycle stays upright while moving.",
+    "The stock market crashed in 1929 because", "My favourite way to spend a rainy Sunday is",
+    "The theory of plate tectonics explains", "Here is a haiku about autumn leaves:",
+    "The most important rule of cybersecurity is", "Jupiter is the largest planet in our solar system and",
+    "A healthy breakfast should include", "The key idea behind public-key cryptography is",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def table(title: str, headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([title, fmt(headers), "  ".join("-" * w for w in widths), *map(fmt, cells)])
+
+
+def reps_for(size: int) -> int:
+    return 20 if size <= MIB else 8 if size <= 16 * MIB else 3
+
+
+def timed_reps(size: int, once: Callable[[], None]) -> float:
+    """Median GB/s of `once` moving `size` bytes, after one untimed warm-up."""
+    once()
+    times = []
+    for _ in range(reps_for(size)):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times) / GB
+
+
+# ---------------------------------------------------------------------------------- transports
+def _receiver(kind: str, max_size: int, conn: Any) -> None:
+    """Child process: receives into a preallocated buffer and acks each message."""
+    dst = np.ones(max_size, dtype=np.uint8)  # written, so its pages are resident
+    if kind == "shm":
+        seg = shared_memory.SharedMemory(name=conn.recv())
+        src = np.ndarray((max_size,), dtype=np.uint8, buffer=seg.buf)
+        while (n := int.from_bytes(conn.recv_bytes(), "little")) > 0:
+            dst[:n] = src[:n]
+            conn.send_bytes(b"k")
+        del src
+        seg.close()
+        return
+    t = NixlTransport("bench-rx", NixlConfig(send_staging_bytes=MIB, recv_staging_bytes=max_size + MIB))
+    conn.send_bytes(t.metadata())
+    while conn.recv_bytes() == b"go":
+        with t.recv(60.0) as d:
+            dst[: len(d.data)] = np.frombuffer(d.data, dtype=np.uint8)
+        conn.send_bytes(b"k")
+    t.close()
+
+
+def two_process(kind: str, sizes: list[int]) -> dict[int, float]:
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(kind, max(sizes), child_end), daemon=True)
+    proc.start()
+    src = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
+    out: dict[int, float] = {}
+    try:
+        if kind == "shm":
+            seg = shared_memory.SharedMemory(create=True, size=max(sizes))
+            buf = np.ndarray((max(sizes),), dtype=np.uint8, buffer=seg.buf)
+            conn.send(seg.name)
+            for size in sizes:
+                def once(size: int = size) -> None:
+                    buf[:size] = src[:size]
+                    conn.send_bytes(size.to_bytes(8, "little"))
+                    assert conn.poll(60) and conn.recv_bytes() == b"k"
+                out[size] = timed_reps(size, once)
+            conn.send_bytes((0).to_bytes(8, "little"))
+            del buf
+            seg.close()
+            seg.unlink()
+        else:
+            t = NixlTransport("bench-tx", NixlConfig(send_staging_bytes=max(sizes) + MIB, recv_staging_bytes=MIB))
+            assert conn.poll(120)
+            t.add_peer(conn.recv_bytes())
+            for size in sizes:
+                def once(size: int = size) -> None:
+                    conn.send_bytes(b"go")
+                    t.send("bench-rx", [src[:size]], timeout_s=60.0)
+                    assert conn.poll(60) and conn.recv_bytes() == b"k"
+                out[size] = timed_reps(size, once)
+            conn.send_bytes(b"stop")
+            t.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return out
+
+
+def object_store(sizes: list[int]) -> dict[int, float]:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # bind 127.0.0.1 only (NOTES-ray.md)
+    import ray
+
+    from transfer.object_store import ObjectStoreTransport
+
+    class Rx:
+        def __init__(self, max_size: int) -> None:
+            self.t = ObjectStoreTransport("bench-rx", max_size + MIB)
+            self.dst = np.ones(max_size, dtype=np.uint8)
+
+        def metadata(self) -> bytes:
+            return self.t.metadata()
+
+        def take(self) -> int:
+            with self.t.recv(60.0) as d:
+                self.dst[: len(d.data)] = np.frombuffer(d.data, dtype=np.uint8)
+                return len(d.data)
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        tx = ObjectStoreTransport("bench-tx", MIB)
+        rx = ray.remote(num_cpus=0.5)(Rx).remote(max(sizes))
+        tx.add_peer(ray.get(rx.metadata.remote(), timeout=120))
+        src = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
+        out = {}
+        for size in sizes:
+            def once(size: int = size) -> None:
+                taken = rx.take.remote()
+                tx.send("bench-rx", [src[:size]], timeout_s=60.0)
+                assert ray.get(taken, timeout=60) == size
+            out[size] = timed_reps(size, once)
+        tx.close()
+        return out
+    finally:
+        ray.shutdown()
+
+
+def memcpy(sizes: list[int]) -> dict[int, float]:
+    src = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
+    dst = np.ones_like(src)
+    return {size: timed_reps(size, lambda size=size: np.copyto(dst[:size], src[:size])) for size in sizes}
+
+
+# ---------------------------------------------------------------------------------- codec
+def codec_figures(num_blocks: int) -> list[dict[str, Any]]:
+    """SmolLM2's KV shape (30 layers, 3 KV heads, head_dim 64, 16-token blocks) in bf16."""
+    layout = KVLayout("smollm2", 30, 3, 64, 16)
+    kv = (torch.randn(30, 2, num_blocks, 16, 3, 64, generator=torch.Generator().manual_seed(0)) * 2).bfloat16()
+    raw = kv.numel() * kv.element_size()
+    rows = []
+    for c in Compression:
+        enc_s, dec_s, shards = [], [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            shards = encode(kv, layout, compression=c, num_shards=4)
+            enc_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for s in shards:
+                decode_shard(s, layout).kv.contiguous()
+            dec_s.append(time.perf_counter() - t0)
+        rows.append({"codec": c.name.lower(), "raw_mib": raw / MIB, "wire_mib": sum(map(len, shards)) / MIB,
+                     "ratio_vs_bf16": sum(map(len, shards)) / raw, "encode_gbps": raw / min(enc_s) / GB,
+                     "decode_gbps": raw / min(dec_s) / GB})
+    return rows
+
+
+# ---------------------------------------------------------------------------------- quality
+def quality(num_prompts: int, num_tokens: int, dtype: str) -> list[dict[str, Any]]:
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import Engine
+    from actors.engine.model_runner import SeqChunk
+
+    bs = 16
+    engine = Engine.from_pretrained("smollm2", EngineConfig(block_size=bs, num_blocks=160, dtype=dtype))
+    cfg, runner = engine.model_config, engine.runner
+    layout = KVLayout(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs)
+    variants = ["ref"] + [f"{c}-{mode}" for c in ("int8", "fp8") for mode in ("forced", "free")]
+    agree = {v: 0 for v in variants[1:]}
+    max_diff = {v: 0.0 for v in variants[1:]}
+    for p, prompt in enumerate(PROMPTS[:num_prompts]):
+        ids = engine.tokenizer.encode(prompt)
+        n_blocks = -(-(len(ids) + num_tokens) // bs)
+        blocks = {v: list(range(i * n_blocks, (i + 1) * n_blocks)) for i, v in enumerate(variants)}
+        with torch.inference_mode():
+            first = int(runner.execute([SeqChunk(ids, 0, blocks["ref"], True)])[0].argmax())
+            kv_blocks = -(-len(ids) // bs)
+            kv = runner.read_blocks(blocks["ref"][:kv_blocks])
+            for v in variants[1:]:  # the decode side: KV through the codec into its own blocks
+                shipped = decode(encode(kv, layout, compression=v.split("-")[0], num_shards=4), layout)
+                runner.write_blocks(blocks[v][:kv_blocks], shipped)
+            tokens = {v: [first] for v in variants}
+            for step in range(num_tokens):
+                pos = len(ids) + step
+                feed = {v: tokens["ref" if v.endswith("forced") else v][-1] for v in variants}
+                logits = runner.execute([SeqChunk([feed[v]], pos, blocks[v], True) for v in variants])
+                for i, v in enumerate(variants):
+                    tokens[v].append(int(logits[i].argmax()))
+                for i, v in enumerate(variants[1:], start=1):
+                    if v.endswith("forced"):
+                        max_diff[v] = max(max_diff[v], float((logits[i] - logits[0]).abs().max()))
+        for v in variants[1:]:
+            agree[v] += sum(a == b for a, b in zip(tokens[v][1:], tokens["ref"][1:]))
+        log(f"quality: prompt {p + 1}/{num_prompts}")
+    total = num_prompts * num_tokens
+    return [{"codec": v, "token_agreement": agree[v] / total,
+             "max_logit_diff": max_diff[v] if v.endswith("forced") else None} for v in variants[1:]]
+
+
+# ---------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    ap.add_argument("--sizes-mib", default="1,16,256")
+    ap.add_argument("--no-ray", action="store_true", help="skip the object-store row (no Ray start)")
+    ap.add_argument("--codec-blocks", type=int, default=128, help="KV blocks in the codec figures")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", help="engine dtype for the quality figures")
+    args = ap.parse_args()
+    sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
+    figures: dict[str, Any] = {"sizes_mib": [s // MIB for s in sizes], "gbps": {}}
+    log("memcpy and shared-memory limits")
+    figures["gbps"]["memcpy (1 process)"] = memcpy(sizes)
+    figures["gbps"]["shm round trip"] = two_process("shm", sizes)
+    if nixl_available():
+        log("nixl")
+        figures["gbps"]["nixl"] = two_process("nixl", sizes)
+    if not args.no_ray:
+        log("ray object store (starting a local cluster)")
+        figures["gbps"]["object_store"] = object_store(sizes)
+    log("codecs")
+    figures["codec"] = codec_figures(args.codec_blocks)
+    if args.prompts > 0:
+        log("quality on SmolLM2")
+        figures["quality"] = quality(args.prompts, args.tokens, args.dtype)
+    shm = figures["gbps"]["shm round trip"]
+    if "nixl" in figures["gbps"]:
+        figures["nixl_vs_shm"] = {s: figures["gbps"]["nixl"][s] / shm[s] for s in sizes}
+    figures["gbps"] = {k: {str(s // MIB): v for s, v in row.items()} for k, row in figures["gbps"].items()}
+    if "nixl_vs_shm" in figures:
+        figures["nixl_vs_shm"] = {str(s // MIB): v for s, v in figures["nixl_vs_shm"].items()}
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    head = [f"{s} MiB" for s in figures["sizes_mib"]]
+    rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
+    if "nixl_vs_shm" in figures:
+        rows.append(["nixl / shm", *figures["nixl_vs_shm"].values()])
+    print(table("Transport round trip, GB/s (median)", ["path", *head], rows), end="\n\n")
+    keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
+    codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
+    print(table("Codec on SmolLM2-shaped bf16 KV, 4 shards", keys, codec_rows), end="\n\n")
+    if "quality" in figures:
+        rows = [[r["codec"], r["token_agreement"], "-" if r["max_logit_diff"] is None else r["max_logit_diff"]]
+                for r in figures["quality"]]
+        title = f"Quality vs uncompressed KV: SmolLM2, {args.prompts} prompts x {args.tokens} greedy tokens"
+        print(table(title, ["codec", "token_agreement", "max_logit_diff"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""One request's KV, as shards that cross process boundaries: quantize, split by layer groups, checksum.
+
+Mental model: the sender holds `kv = runner.read_blocks(block_ids)`, shaped
+[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. `encode` cuts it into `num_shards`
+contiguous layer groups and turns each into one self-describing byte string (header.py: magic,
+version, layout id, dtype, compression, shapes, layer range, shard index/count, block hashes,
+crc32). The receiver `decode_shard`s each one as it lands and writes it at once with
+`runner.write_blocks(block_ids, d.kv, layers=d.layers)`, while later shards are still in flight.
+Nothing is pickled: a shard is a header and raw little-endian tensor bytes.
+
+Compression and its documented error (x is the original value, x̂ what `decode_shard` returns; the
+quantizers are kernels/quant.py's, whose bounds these restate; `error_bound` computes them):
+- `none`: bit-exact.
+- `int8`: one float32 scale s = amax/127 per (layer, k|v, token, head) row of head_dim values:
+  |x - x̂| <= s * (1/2 + 2^-15). Bytes: head_dim + 4 per row, 0.53x of bf16 at head_dim 64.
+- `fp8` (e4m3): one float32 scale s = amax/448 per (layer, k|v, block): |x - x̂| <= 2^-4 |x| + 2^-10 s.
+  Bytes: ~0.5x of bf16.
+Both quantized modes then round x̂ to the KV dtype, which adds at most half an ulp of x̂ (2^-8 |x̂|
+for bf16, 2^-11 for fp16, 2^-24 for float32).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from transfer import header
+from transfer.header import ShardHeader
+from transfer.transport import Buffer, CorruptShard, IncompatiblePeer, as_bytes_view
+
+
+class Compression(enum.IntEnum):
+    NONE = 0
+    INT8 = 1
+    FP8 = 2
+
+    @classmethod
+    def parse(cls, name: "str | Compression") -> "Compression":
+        if isinstance(name, Compression):
+            return name
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown compression {name!r}; choose none, int8 or fp8") from None
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+_PAD = 8  # scales follow the quantized values at an 8-byte boundary, so they can be viewed in place
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must match between sender and receiver for KV to be reusable as is."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def layout_id(self) -> int:
+        key = f"{self.model}|{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|{self.block_size}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class DecodedShard:
+    header: ShardHeader
+    kv: torch.Tensor  # [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, head_dim]
+
+    @property
+    def layers(self) -> range:
+        return self.header.layers
+
+
+def layer_groups(num_layers: int, num_shards: int) -> list[range]:
+    """Contiguous layer ranges of near-equal size, the larger ones first."""
+    if not 1 <= num_shards <= num_layers:
+        raise ValueError(f"num_shards must be in [1, {num_layers}], got {num_shards}")
+    base, extra = divmod(num_layers, num_shards)
+    groups, start = [], 0
+    for i in range(num_shards):
+        end = start + base + (1 if i < extra else 0)
+        groups.append(range(start, end))
+        start = end
+    return groups
+
+
+def _kernel(name: str) -> Callable[..., object]:
+    # kernels/ exports a device dispatcher per quantizer once it lands; until then its torch
+    # reference is the CPU path (and the ground truth), so the codec never carries its own copy.
+    import kernels
+    import kernels.quant
+
+    return getattr(kernels, name, None) or getattr(kernels.quant, f"{name}_ref")
+
+
+def _quantize(x: torch.Tensor, c: Compression) -> tuple[torch.Tensor, torch.Tensor]:
+    if c is Compression.INT8:
+        return _kernel("quantize_int8")(x)  # q like x, scale [..., num_kv_heads]
+    nl, two, n = x.shape[:3]
+    q, scale = _kernel("quantize_fp8")(x.reshape(nl * two * n, *x.shape[3:]))  # one scale per block
+    return q.reshape(x.shape), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, c: Compression, dtype: torch.dtype) -> torch.Tensor:
+    if c is Compression.INT8:
+        return _kernel("dequantize_int8")(q, scale, dtype)
+    nl, two, n = q.shape[:3]
+    return _kernel("dequantize_fp8")(q.reshape(nl * two * n, *q.shape[3:]), scale, dtype).reshape(q.shape)
+
+
+def _padded(n: int) -> int:
+    return (n + _PAD - 1) // _PAD * _PAD
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def encode(
+    kv: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    layout: KVLayout,
+    *,
+    compression: Compression | str = Compression.NONE,
+    num_shards: int = 1,
+    block_hashes: Sequence[int] = (),
+    transfer_id: int = 0,
+) -> list[bytearray]:
+    """Shards of one request's KV, one per layer group, in layer order."""
+    c = Compression.parse(compression)
+    L, two, n, bs, H, D = kv.shape
+    if (L, two, bs, H, D) != (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim):
+        raise ValueError(f"KV of shape {tuple(kv.shape)} does not match {layout}")
+    if kv.dtype not in _DTYPE_CODES or n == 0:
+        raise ValueError(f"cannot encode {n} blocks of {kv.dtype}; dtypes: {sorted(map(str, _DTYPE_CODES))}")
+    hashes = tuple(int(h) for h in block_hashes) or (0,) * n
+    if len(hashes) != n:
+        raise ValueError(f"{len(hashes)} block hashes for {n} blocks")
+    kv = kv.detach().cpu()
+    shards = []
+    for i, layers in enumerate(layer_groups(L, num_shards)):
+        part = kv[layers.start : layers.stop]
+        if c is Compression.NONE:
+            pieces = [_bytes_of(part)]
+        else:
+            q, scale = _quantize(part, c)
+            pieces = [_bytes_of(q), _bytes_of(scale.float())]
+        sizes = [_padded(p.numel()) for p in pieces[:-1]] + [pieces[-1].numel()]
+        h = ShardHeader(
+            layout_id=layout.layout_id, transfer_id=transfer_id, raw_bytes=part.numel() * part.element_size(),
+            payload_bytes=sum(sizes), num_blocks=n, block_size=bs, num_layers=L, layer_start=layers.start,
+            layer_end=layers.stop, shard_index=i, num_shards=num_shards, num_kv_heads=H, head_dim=D,
+            dtype=_DTYPE_CODES[kv.dtype], compression=int(c), block_hashes=hashes,
+        )
+        out = bytearray(h.header_len + h.payload_bytes)
+        view = memoryview(out)
+        header.pack_into(view, h)
+        at = h.header_len
+        for piece, size in zip(pieces, sizes):
+            torch.frombuffer(out, dtype=torch.uint8, count=piece.numel(), offset=at).copy_(piece)
+            at += size
+        header.seal(view)
+        shards.append(out)
+    return shards
+
+
+def _view(shard: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    count = 1
+    for s in shape:
+        count *= s
+    count *= torch.empty((), dtype=dtype).element_size()
+    with warnings.catch_warnings():  # a read-only buffer is fine: decode never writes into it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(shard, dtype=torch.uint8, count=count, offset=offset)
+    return raw.view(dtype).reshape(shape)
+
+
+def decode_shard(shard: Buffer, layout: KVLayout) -> DecodedShard:
+    """Validates one shard against `layout` and returns its KV in the sender's dtype. With `none`
+    the tensor is a view into `shard` (write it into the pool before reusing the buffer)."""
+    view = as_bytes_view(shard)
+    h = header.unpack(view)
+    if h.layout_id != layout.layout_id:
+        raise IncompatiblePeer(f"peer's KV layout id {h.layout_id:#x} is not ours ({layout.layout_id:#x}: {layout})")
+    if h.dtype not in _CODE_DTYPES or h.compression not in {int(m) for m in Compression}:
+        raise IncompatiblePeer(f"unknown dtype code {h.dtype} or compression code {h.compression}")
+    c, dtype = Compression(h.compression), _CODE_DTYPES[h.dtype]
+    shape = (len(h.layers), 2, h.num_blocks, h.block_size, h.num_kv_heads, h.head_dim)
+    rows = shape[0] * 2 * h.num_blocks * h.block_size * h.num_kv_heads
+    expect = {
+        Compression.NONE: rows * h.head_dim * dtype.itemsize,
+        Compression.INT8: _padded(rows * h.head_dim) + rows * 4,
+        Compression.FP8: _padded(rows * h.head_dim) + shape[0] * 2 * h.num_blocks * 4,
+    }[c]
+    if h.payload_bytes != expect:
+        raise CorruptShard(f"payload of {h.payload_bytes} bytes, expected {expect} for {shape} {c.name}")
+    at = h.header_len
+    if c is Compression.NONE:
+        return DecodedShard(h, _view(view, at, dtype, shape))
+    qdtype = torch.int8 if c is Compression.INT8 else torch.float8_e4m3fn
+    q = _view(view, at, qdtype, shape)
+    scale_shape = shape[:-1] if c is Compression.INT8 else (shape[0] * 2 * h.num_blocks,)
+    scale = _view(view, at + _padded(rows * h.head_dim), torch.float32, scale_shape)
+    return DecodedShard(h, _dequantize(q, scale, c, dtype))
+
+
+def decode(shards: Sequence[Buffer], layout: KVLayout) -> torch.Tensor:
+    """All shards of one transfer back into the full [num_layers, 2, n, bs, Hkv, D] tensor."""
+    parts = sorted((decode_shard(s, layout) for s in shards), key=lambda d: d.header.layer_start)
+    if not parts:
+        raise ValueError("no shards to decode")
+    first = parts[0].header
+    covered = [layer for d in parts for layer in d.layers]
+    if covered != list(range(first.num_layers)) or {d.header.transfer_id for d in parts} != {first.transfer_id}:
+        raise ValueError(f"shards do not make one transfer: layers {covered[:4]}..., {len(parts)} shards")
+    return torch.cat([d.kv for d in parts])
+
+
+def error_bound(x: torch.Tensor, compression: Compression | str) -> torch.Tensor:
+    """The documented per-element bound on |x - decode(encode(x))| (see the module docstring)."""
+    c = Compression.parse(compression)
+    xf = x.float()
+    if c is Compression.NONE:
+        return torch.zeros_like(xf)
+    if c is Compression.INT8:
+        s = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+        bound = s * (0.5 + 2.0**-15)
+    else:
+        nl, two, n = x.shape[:3]
+        s = xf.abs().reshape(nl, two, n, -1).amax(dim=-1).reshape(nl, two, n, 1, 1, 1) / 448.0
+        bound = 2.0**-4 * xf.abs() + 2.0**-10 * s
+    # the result is rounded to x's dtype: half an ulp of |x̂| <= |x| + bound
+    return bound + _HALF_ULP[x.dtype] * (xf.abs() + bound)

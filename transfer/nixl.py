@@ -1,0 +1,286 @@
+"""KV transport over NIXL with its UCX backend: host memory moves over cma on one machine, RDMA or
+NVLink on a cluster, through the same agent.
+
+Mental model: each endpoint owns one NIXL agent, two pre-registered staging arenas (send, receive)
+and one worker thread; the worker is the only thread that touches the agent, so NIXL's
+thread-unsafe default mode is fine. A `send` copies each shard into send staging (caller thread,
+overlapping the worker's transfers), asks the receiver for room (REQ), WRITEs into the room it is
+granted, and returns when every WRITE is done. NIXL hands the receiver a DATA notification after
+the bytes; `recv` copies the shard out and frees its room. See nixl_wire.py for the messages.
+
+Failures, as measured on these machines (../shared/NOTES-transfer.md): a dead peer makes
+`transfer`/`check_xfer_state`/`send_notif` raise within milliseconds, so while a send waits the
+worker PINGs its peer every `probe_interval_s`: death becomes `PeerGone` promptly. A frozen peer
+never fails anything, so only the deadline ends a send (`TransferTimeout`). Either way the worker
+releases the send's transfer handles and staging; a failed peer is dropped (`remove_remote_agent`)
+and comes back when its new metadata is added, by the caller, by the `resolver`, or by the peer's
+own HELLO.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transfer import nixl_wire as wire
+from transfer.header import peek_raw_bytes
+from transfer.nixl_endpoint import NixlEndpoint
+from transfer.nixl_records import Outgoing
+from transfer.transport import (
+    Buffer,
+    Delivery,
+    PeerGone,
+    PeerStatsBook,
+    SendStats,
+    TransferError,
+    TransferTimeout,
+    TransportStats,
+    as_bytes_view,
+)
+
+logger = logging.getLogger(__name__)
+MIB = 1 << 20
+_HOT_S = 0.05  # how long after traffic the worker keeps polling fast
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl._api  # noqa: F401
+    except Exception:  # ImportError, or a broken native library
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    send_staging_bytes: int = 256 * MIB
+    recv_staging_bytes: int = 256 * MIB  # also the largest shard a peer may send us
+    probe_interval_s: float = 0.05
+    grant_ttl_s: float = 60.0  # room granted to a sender that never writes is reclaimed after this
+    call_timeout_s: float = 10.0  # bound on waiting for the worker thread (add_peer, stats, ...)
+    segment_bytes: int = 16 * MIB  # WRITE granularity: copying segment k+1 overlaps writing segment k
+    # UCX's network devices. "lo" keeps every listening socket on 127.0.0.1 (same-host data goes
+    # over cma anyway); a cluster sets its NICs (e.g. "mlx5_0:1"), None leaves UCX's own choice.
+    # An UCX_NET_DEVICES already in the environment wins.
+    ucx_net_devices: str | None = "lo"
+
+
+class NixlTransport:
+    kind = "nixl"
+
+    def __init__(self, name: str, cfg: NixlConfig | None = None,
+                 resolver: Callable[[str], bytes | None] | None = None) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if "NIXL_LOG_LEVEL" not in os.environ:
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs INFO to stdout otherwise
+        self.name = name
+        self.cfg = cfg or NixlConfig()
+        if self.cfg.ucx_net_devices is not None:
+            os.environ.setdefault("UCX_NET_DEVICES", self.cfg.ucx_net_devices)  # UCX reads it at backend init
+        self._resolver = resolver
+        # The progress thread off measured faster here; the worker polls notifications anyway.
+        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self._ep = NixlEndpoint(name, agent, int.from_bytes(os.urandom(8), "little"),
+                                self.cfg.probe_interval_s, self.cfg.grant_ttl_s, self.cfg.segment_bytes)
+        # random start, so a restarted sender's ids never match what its peer still remembers
+        self._send_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._book = PeerStatsBook()
+        self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
+        self._thread.start()
+        self.register_buffers(self.cfg.send_staging_bytes, self.cfg.recv_staging_bytes)
+
+    # ------------------------------------------------------------------ public API (any thread)
+    def register_buffers(self, send_bytes: int, recv_bytes: int) -> None:
+        self._call(self._ep.register, send_bytes, recv_bytes)
+
+    def metadata(self) -> bytes:
+        return self._ep.envelope
+
+    def add_peer(self, metadata: bytes) -> str:
+        env = wire.Envelope.unpack(metadata)
+        self._call(self._ep.add, env, True)
+        return env.name
+
+    def remove_peer(self, peer: str) -> None:
+        self._call(self._ep.drop_peer, peer, "removed by the caller")
+
+    def send(self, peer: str, shards: Sequence[Buffer], *, tag: int = 0, timeout_s: float) -> SendStats:
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        views = [as_bytes_view(s) for s in shards]
+        arena = self._ep.send_arena
+        assert arena is not None
+        if not views or max(len(v) for v in views) > arena.size_bytes:
+            raise ValueError(f"send needs 1+ shards of at most {arena.size_bytes} bytes (send staging)")
+        if peer not in self._ep.peers:
+            try:
+                self._resolve(peer)
+            except TransferError as e:
+                self._book.failed(peer, e)
+                raise
+        op = Outgoing(next(self._send_ids), peer, tag, [len(v) for v in views], deadline)
+        seg = self.cfg.segment_bytes
+        try:
+            self._post(self._ep.start_send, op, t0)  # REQs go out while we copy
+            for i, v in enumerate(views):
+                off = arena.alloc(len(v), deadline, op.finished)
+                if off is None:
+                    break
+                # A shard once started is copied whole (it is bounded): its last report frees it
+                # even when the send ends meanwhile.
+                for start in range(0, len(v), seg):
+                    end = min(len(v), start + seg)
+                    # numpy drops the GIL while copying (a memoryview copy would hold it), so
+                    # the worker's WRITE of the previous segment really runs alongside
+                    np.copyto(arena.buf[off + start : off + end], np.frombuffer(v[start:end], dtype=np.uint8))
+                    self._post(self._ep.shard_ready, op, i, off, end)
+                if op.finished.is_set():
+                    break
+            op.finished.wait(max(0.0, deadline - time.monotonic()))
+        except (TransferError, ValueError) as e:
+            op.finish(e)
+        finally:
+            op.finish(TransferTimeout(f"send of {len(views)} shards to {peer} passed its {timeout_s:.3f}s deadline"))
+            if op.error is not None and not op.cleaned:
+                # Free what the send holds before raising, so a caller sees no leak. The worker
+                # answers at once unless it is inside a long WRITE; then it cleans up afterwards.
+                try:
+                    self._call(self._ep.cleanup, op, timeout_s=1.0)
+                except TransferError:
+                    pass
+        if op.error is not None:
+            if isinstance(op.error, TransferError):
+                self._book.failed(peer, op.error)
+            raise op.error
+        raw = sum(peek_raw_bytes(v) or len(v) for v in views)
+        stats = SendStats(peer, len(views), sum(len(v) for v in views), raw, time.monotonic() - t0)
+        self._book.sent(stats)
+        return stats
+
+    def recv(self, timeout_s: float) -> Delivery:
+        try:
+            peer, tag, shard, n, off, size = self._ep.inbox.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            raise TransferTimeout(f"{self.name}: no shard arrived within {timeout_s:.3f}s") from None
+        arena = self._ep.recv_arena
+        assert arena is not None
+        self._book.received(peer, size)
+
+        def release() -> None:
+            arena.free(off)
+            self._wake.set()  # room freed: queued grants can go out now
+
+        return Delivery(peer, tag, shard, n, arena.view(off, size), release)
+
+    def stats(self) -> TransportStats:
+        if self._closed:
+            return TransportStats(self.name, self.kind, self._book.snapshot())
+        return self._call(self._snapshot)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=self.cfg.call_timeout_s)
+        if self._thread.is_alive():
+            logger.error("%s: NIXL worker is stuck in a transfer; leaving its agent to the process exit", self.name)
+            return
+        # The worker has exited: this thread owns the agent now.
+        while True:
+            try:
+                _, _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None:
+                fut.set_exception(PeerGone(f"transport {self.name} closed"))
+        self._ep.close()
+        self._ep.agent = None
+
+    def _snapshot(self) -> TransportStats:
+        ep = self._ep
+        assert ep.send_arena is not None and ep.recv_arena is not None
+        return TransportStats(
+            self.name, self.kind, self._book.snapshot(),
+            transfers_in_flight=sum(len(op.inflight) for op in ep.sends.values()) + len(ep.zombies),
+            staging_in_use_bytes=ep.send_arena.in_use_bytes + ep.recv_arena.in_use_bytes,
+            registered_bytes=ep.send_arena.size_bytes + ep.recv_arena.size_bytes,
+        )
+
+    # ------------------------------------------------------------------ calls into the worker
+    def _call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+        if self._closed:
+            raise PeerGone(f"transport {self.name} is closed")
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put((fn, args, fut))
+        self._wake.set()
+        wait_s = self.cfg.call_timeout_s if timeout_s is None else min(timeout_s, self.cfg.call_timeout_s)
+        try:
+            return fut.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"{self.name}: NIXL worker did not answer within {wait_s:.3f}s") from None
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._commands.put((fn, args, None))
+        self._wake.set()
+
+    def _resolve(self, peer: str) -> None:
+        md = self._resolver(peer) if self._resolver is not None else None
+        if md is None:
+            raise PeerGone(f"{peer} is not a peer of {self.name}: add its metadata first")
+        self.add_peer(md)
+
+    # ------------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        idle_s, hot_until = 0.0, 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                busy = self._step(now)
+            except Exception:  # a bug here must not silently stop every transfer
+                logger.exception("%s: NIXL worker step failed", self.name)
+                busy = False
+            if busy:
+                idle_s, hot_until = 0.0, now + _HOT_S
+                continue
+            # Notifications cannot wake us, so poll: every 50 us while a send or a grant is open or
+            # traffic was recent (shards come in bursts), backing off to 1 ms (~4% of a core) when idle.
+            idle_s = 5e-5 if now < hot_until or self._ep.expecting() else min(max(idle_s * 2, 5e-5), 1e-3)
+            self._wake.wait(idle_s)
+            self._wake.clear()
+
+    def _step(self, now: float) -> bool:
+        busy = False
+        while True:
+            try:
+                fn, args, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            busy = True
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to the caller, who raises it
+                if fut is None:
+                    logger.exception("%s: worker command %s failed", self.name, fn.__name__)
+                else:
+                    fut.set_exception(e)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+        return self._ep.step(now) or busy
