@@ -1,0 +1,117 @@
+"""Descriptors: the small, plain facts the control plane decides on.
+
+Mental model: `cluster/` never touches an engine, a tensor or a Ray handle. The data plane (and the
+simulator) describe a request by its size, owner and prompt block hashes (`RequestDesc`), and a
+worker by a periodic load report (`WorkerLoad`, carrying the step times it measured as
+`StepSample`s and the prefix blocks it gained or lost since the last report). The Ray integration
+only converts `actors/` types into these; nothing here imports a heavy dependency.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+TenantId = NewType("TenantId", str)
+WorkerName = NewType("WorkerName", str)
+
+
+class SloClass(str, enum.Enum):
+    """`interactive`: TTFT and TPOT targets at P99. `batch`: one completion deadline."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+    @property
+    def rank(self) -> int:
+        # Priority keys sort by rank first: interactive work always runs before batch work.
+        return 0 if self is SloClass.INTERACTIVE else 1
+
+
+class WorkerKind(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self is not WorkerKind.DECODE
+
+    @property
+    def serves_decode(self) -> bool:
+        return self is not WorkerKind.PREFILL
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDesc:
+    """What the scheduler knows of one request when it is submitted.
+
+    `block_hashes` are the chained hashes (`actors.engine.block_hash.hash_block_chain`) of the
+    prompt's full blocks of `SchedulerConfig.hash_block_size` tokens, oldest first; equal hashes
+    mean equal prefixes. `slo_class=None` means the tenant's own class. `arrival_time` is on the
+    scheduler's clock.
+    """
+
+    request_id: RequestId
+    tenant: TenantId
+    num_prompt_tokens: int
+    max_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    slo_class: SloClass | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One engine step as measured by a worker: the features the cost model regresses on.
+
+    `num_prefill_pairs` is the attention work of the step's prefill chunks, the sum over chunks of
+    new_tokens x (cached_tokens + new_tokens / 2) query-key pairs; `num_context_tokens` is the KV
+    the decode rows read, the sum of their context lengths.
+    """
+
+    num_prefill_tokens: int
+    num_prefill_pairs: float
+    num_decode_seqs: int
+    num_context_tokens: int
+    step_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's periodic report; it doubles as the heartbeat.
+
+    Prefix holdings travel as deltas (`cached_added` / `cached_removed`, block hashes) or, when
+    `cached_full` is given, as the whole set, which replaces what the scheduler knew (sent on the
+    first report and after a scheduler restart).
+    """
+
+    name: WorkerName
+    kind: WorkerKind
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int = 16
+    healthy: bool = True
+    report_time: float = 0.0
+    steps: tuple[StepSample, ...] = ()
+    cached_added: tuple[int, ...] = ()
+    cached_removed: tuple[int, ...] = ()
+    cached_full: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_total_blocks < 0 or not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):
+            raise ValueError(
+                f"worker {self.name}: free blocks {self.num_free_blocks} outside [0, {self.num_total_blocks}]"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"worker {self.name}: block_size must be >= 1")

@@ -1,0 +1,336 @@
+"""GlobalScheduler: admission, placement, ordering, fairness, recovery, in one deterministic object.
+
+Mental model: the scheduler is a state machine driven by calls, reading time only from its
+injected clock, so the Ray actor, the tests and the simulator all run this very code.
+
+    submit(desc)         -> Placement | Refusal     budget gate, best workers, SLO gate, priority
+    on_report(load)      heartbeat, free blocks, step samples (cost-model fit), prefix holdings
+    on_stage / on_token  the request moves: prefill start/done, KV delivered, decode admitted
+    on_finish / cancel   the request leaves; every account it charged is released
+    on_worker_dead(name) -> [Placement | Refusal]   its requests re-placed, most urgent first
+    poll()               -> PollResult   missed heartbeats, queue timeouts, resumed batch work
+    snapshot() / rebuild(...)            survive a scheduler restart
+
+Per decision the work is O(workers) plus O(log n) heap operations on n requests in flight; no
+call scans the in-flight set. Placement and recovery logic live in `placement.py` and
+`journal.py`; per-request charges in `bookings.py`; this file only sequences them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.admission import AdmissionController, Refusal, RefusalReason, SloPrediction
+from cluster.bookings import Booking, Ledger
+from cluster.clock import Clock
+from cluster.config import SchedulerConfig
+from cluster.cost_model import CostModelBank
+from cluster.descriptors import RequestDesc, RequestId, SloClass, WorkerLoad, WorkerName
+from cluster.fairness import FairShareClock
+from cluster.journal import Journal, JournalEntry, Phase
+from cluster.ordering import SlackQueue, priority_key, urgency_key_s
+from cluster.placement import Placement, PlacementKind, PlacementPolicy
+from cluster.prefix_index import POOL, PrefixIndex
+from cluster.stats import LatencyWindow, SchedulerStats
+from cluster.tenants import Tenant, TenantRegistry
+from cluster.timeline import Stage, TimelineStore
+from cluster.workers import WorkerRegistry
+from cluster import recovery, snapshots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PollResult:
+    """What `poll` decided: requests to cancel, and placements to carry out (recovered after a
+    missed heartbeat, or preempted batch work resumed), in that order of urgency."""
+
+    expired: list[Refusal] = field(default_factory=list)
+    recovered: list[Placement | Refusal] = field(default_factory=list)
+    resumed: list[Placement] = field(default_factory=list)
+
+
+class GlobalScheduler:
+    """The control plane's brain. Not thread-safe: one actor (or one event loop) drives it."""
+
+    def __init__(self, cfg: SchedulerConfig, clock: Clock) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        now = clock.now()
+        self.tenants = TenantRegistry(cfg.tenants, cfg.default_tenant, now)
+        self.admission = AdmissionController(cfg.admission)
+        self.models = CostModelBank(cfg.cost_prior)
+        self.index = PrefixIndex()
+        self.workers = WorkerRegistry(cfg.placement.max_num_seqs, self.models)
+        self.policy = PlacementPolicy(cfg.placement, self.models, self.index)
+        self.ledger = Ledger(self.workers)
+        self.journal = Journal()
+        self.fairness = FairShareClock(cfg.reference_token_rate)
+        self.timelines = TimelineStore(cfg.timeline_max_finished, cfg.timeline_max_tokens)
+        self.latency = LatencyWindow(cfg.latency_window)
+        self.counters = SchedulerStats()
+        self._seq = itertools.count()
+        self._expiry: list[tuple[float, int, RequestId]] = []
+        self._preempted: SlackQueue[RequestId] = SlackQueue()
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def submit(self, desc: RequestDesc, *, prompt_token_ids: Sequence[int] | None = None,
+               sampling: dict[str, Any] | None = None, seed: int | None = None) -> Placement | Refusal:
+        """Admit and place a new request, or refuse it with a reason and a retry-after."""
+        t0 = time.perf_counter()
+        now = self.clock.now()
+        self.counters.num_submitted += 1
+        tenant = self.tenants.get(desc.tenant, now)
+        refusal = self.admission.check_budget(tenant, desc, now)
+        if refusal is None:
+            assert tenant is not None
+            entry = JournalEntry.for_request(desc, tenant.cfg.slo, self.cfg.batch_deadline_s,
+                                             prompt_token_ids, sampling, seed)
+            out = self._place(entry, tenant, now, PlacementKind.NEW)
+        else:
+            out = refusal
+        if isinstance(out, Refusal):
+            self._count_refusal(out)
+        self.latency.add(time.perf_counter() - t0)
+        return out
+
+    def _place(self, entry: JournalEntry, tenant: Tenant, now: float,
+               kind: PlacementKind) -> Placement | Refusal:
+        """Choose workers for `entry`, gate NEW requests on their SLO, then commit the choice."""
+        desc, rid = entry.desc, entry.request_id
+        rank = entry.slo_class.rank
+        expected = tenant.expected_output_tokens(desc.max_tokens, self.cfg.placement.default_output_tokens)
+        remaining_out = max(1, expected - entry.num_output_tokens)
+        num_tokens = desc.num_prompt_tokens + entry.num_output_tokens
+        if kind is PlacementKind.REDIRECT:
+            pview = self.workers.get(entry.prefill_worker) if entry.prefill_worker else None
+            prefill_choice = None if pview is None else self.policy.choose_prefill(
+                num_tokens, desc.block_hashes, rank, [pview])
+        else:
+            prefill_choice = self.policy.choose_prefill(num_tokens, desc.block_hashes, rank,
+                                                        self.workers.prefill)
+        decode_choice = self.policy.choose_decode(
+            entry.tpot_s, rank == 0, num_tokens + remaining_out, num_tokens, remaining_out,
+            self.workers.decode)
+        if prefill_choice is None or decode_choice is None:
+            return Refusal(rid, RefusalReason.NO_HEALTHY_WORKER, self.cfg.heartbeat_timeout_s,
+                           "no healthy prefill and decode workers")
+        elapsed = now - desc.arrival_time
+        ttft_s = elapsed + (0.0 if kind is PlacementKind.REDIRECT else prefill_choice.ttft_s)
+        tpot_s = decode_choice.step_s + decode_choice.wait_s / max(1, remaining_out - 1)
+        if kind is PlacementKind.NEW and self.cfg.slo_admission:
+            completion = ttft_s + decode_choice.wait_s + remaining_out * decode_choice.step_s
+            refusal = self.admission.check_slo(
+                tenant, desc, SloPrediction(ttft_s, tpot_s, completion, prefill_choice.wait_s))
+            if refusal is not None:
+                return refusal
+        service_s = prefill_choice.fetch_s + prefill_choice.compute_s
+        if kind is PlacementKind.NEW:
+            if entry.slo_class is SloClass.INTERACTIVE:
+                assert entry.ttft_deadline_s is not None
+                urgency = urgency_key_s(entry.slo_class, entry.ttft_deadline_s, service_s)
+            else:
+                assert entry.completion_deadline_s is not None
+                urgency = urgency_key_s(entry.slo_class, entry.completion_deadline_s,
+                                        service_s + remaining_out * decode_choice.step_s)
+            tag = now
+            if self.cfg.fairness:
+                tag = self.fairness.tag(desc.tenant, tenant.cfg.weight, num_tokens + expected, now)
+        else:  # recovery and resumption: urgency from the remaining budget, no fairness charge
+            urgency, tag = now + entry.remaining_budget_s(now) - service_s, now
+        prio = priority_key(entry.slo_class, urgency, tag, next(self._seq))
+        victims = tuple(decode_choice.worker.victims.take(decode_choice.num_preempt))
+        for victim in victims:
+            self._preempt(victim, now)
+        pw, dw = prefill_choice.worker, decode_choice.worker
+        phase = Phase.QUEUED if kind is not PlacementKind.REDIRECT else entry.phase
+        queue_deadline = now + tenant.cfg.queue_timeout_s
+        booking = Booking(rid, rank, pw.name, service_s, dw.name,
+                          -(-(num_tokens + remaining_out) // dw.block_size), num_tokens, entry.tpot_s,
+                          urgency, queue_deadline)
+        redirect_active = kind is PlacementKind.REDIRECT and entry.phase is Phase.TRANSFERRING
+        keep_prefill = kind is not PlacementKind.REDIRECT or entry.phase in (Phase.QUEUED, Phase.PREFILLING)
+        self.ledger.open(booking, prefill=keep_prefill, decode_active=redirect_active)
+        if kind is PlacementKind.NEW:
+            self.journal.add(entry)
+            self.admission.admit(tenant, desc, now)
+            self.fairness.activate(desc.tenant, tenant.cfg.weight, now)
+            tl = self.timelines.start(rid, desc.tenant, desc.arrival_time)
+            tl.stamp(Stage.ADMITTED, now)
+        self.journal.move(rid, pw.name, dw.name, phase)
+        if phase is Phase.QUEUED:
+            heapq.heappush(self._expiry, (queue_deadline, next(self._seq), rid))
+        self.counters.num_placed += kind is PlacementKind.NEW
+        return Placement(
+            request_id=rid, prefill_worker=pw.name, decode_worker=dw.name, priority=prio, kind=kind,
+            resume_from_token=entry.num_output_tokens, ttft_deadline_s=entry.ttft_deadline_s,
+            tpot_s=entry.tpot_s, completion_deadline_s=entry.completion_deadline_s,
+            predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
+            num_prefix_hit_blocks=prefill_choice.hit_blocks, num_pool_blocks=prefill_choice.pool_blocks,
+            preempt=victims)
+
+    def _preempt(self, rid: RequestId, now: float) -> None:
+        entry = self.journal.get(rid)
+        if entry is None:
+            return
+        self.ledger.close(rid)
+        self.journal.move(rid, None, None, Phase.PREEMPTED)
+        self._preempted.push(rid, priority_key(entry.slo_class, now + entry.remaining_budget_s(now),
+                                               now, next(self._seq)))
+        self.timelines.stamp(rid, Stage.PREEMPTED, now)
+        self.counters.num_preempted += 1
+
+    def _count_refusal(self, r: Refusal) -> None:
+        self.counters.num_refused[r.reason.value] = self.counters.num_refused.get(r.reason.value, 0) + 1
+
+    # ---- events from the data plane ---------------------------------------------------------
+
+    def on_report(self, load: WorkerLoad) -> None:
+        """A worker's load report (also its heartbeat)."""
+        now = self.clock.now()
+        view = self.workers.upsert(load, now)
+        if load.steps:
+            self.models.get(load.name).observe_all(load.steps)
+        if load.cached_full is not None:
+            self.index.replace(load.name, load.cached_full)
+        self.index.remove(load.name, load.cached_removed)
+        self.index.add(load.name, load.cached_added)
+        assert view.name == load.name
+
+    def on_pool_report(self, added: Sequence[int] = (), removed: Sequence[int] = (),
+                       full: frozenset[int] | None = None) -> None:
+        """Prefix blocks the shared prefix-cache pool gained or lost."""
+        if full is not None:
+            self.index.replace(POOL, full)
+        self.index.remove(POOL, removed)
+        self.index.add(POOL, added)
+
+    def _refresh_reference_rate(self) -> None:
+        rate = sum(self.models.get(w.name).prefill_tokens_per_s() for w in self.workers.prefill)
+        self.fairness.set_reference_rate(rate)
+
+    def on_stage(self, rid: RequestId, stage: Stage, t: float | None = None) -> None:
+        """A request reached `stage` (prefill start/done, KV delivered, decode admitted, ...)."""
+        t = self.clock.now() if t is None else t
+        entry = self.journal.get(rid)
+        if entry is None:
+            return
+        self.timelines.stamp(rid, stage, t)
+        if stage is Stage.PREFILL_START and entry.phase is Phase.QUEUED:
+            entry.phase = Phase.PREFILLING
+        elif stage is Stage.PREFILL_DONE:
+            self._prefill_done(entry)
+        elif stage in (Stage.KV_TRANSFER_DONE, Stage.DECODE_ADMITTED):
+            self._prefill_done(entry)
+            entry.phase = Phase.DECODING
+
+    def _prefill_done(self, entry: JournalEntry) -> None:
+        if entry.phase in (Phase.QUEUED, Phase.PREFILLING):
+            entry.phase = Phase.TRANSFERRING
+        self.ledger.prefill_done(entry.request_id)
+        self.ledger.activate_decode(entry.request_id)
+
+    def on_token(self, rid: RequestId, t: float | None = None, token_ids: Sequence[int] = (),
+                 count: int = 1) -> None:
+        """`count` tokens (ids optional) were streamed to the client at `t`. The first one means
+        the prefill is done."""
+        t = self.clock.now() if t is None else t
+        entry = self.journal.get(rid)
+        if entry is None:
+            return
+        if entry.num_output_tokens == 0 or entry.phase in (Phase.QUEUED, Phase.PREFILLING):
+            self._prefill_done(entry)
+        self.journal.record_tokens(rid, t, tuple(token_ids), count)
+        for _ in range(len(token_ids) if token_ids else count):
+            self.timelines.token(rid, t)
+
+    def on_finish(self, rid: RequestId, t: float | None = None, num_output_tokens: int | None = None) -> None:
+        self._leave(rid, self.clock.now() if t is None else t, num_output_tokens, completed=True)
+
+    def cancel(self, rid: RequestId, t: float | None = None) -> None:
+        """The client went away or the request was aborted: release it without learning from it."""
+        self._leave(rid, self.clock.now() if t is None else t, None, completed=False)
+
+    def _leave(self, rid: RequestId, t: float, num_output_tokens: int | None, *, completed: bool,
+               stage: Stage = Stage.FINISHED) -> None:
+        entry = self.journal.remove(rid)
+        if entry is None:
+            return
+        self.ledger.close(rid)
+        self._preempted.remove(rid)
+        n_out = entry.num_output_tokens if num_output_tokens is None else num_output_tokens
+        tenant = self.tenants.get(entry.desc.tenant, t)
+        if tenant is not None:
+            self.admission.release(tenant, n_out, t - entry.desc.arrival_time, t, completed=completed)
+        self.fairness.deactivate(entry.desc.tenant)
+        if entry.decode_worker is not None:
+            view = self.workers.get(entry.decode_worker)
+            if view is not None:
+                view.num_finished += 1
+        self.timelines.finish(rid, t, stage)
+        self.counters.num_finished += completed
+
+    # ---- failures, timeouts, resumption -----------------------------------------------------
+
+    def on_worker_dead(self, name: WorkerName) -> list[Placement | Refusal]:
+        """Forget a dead worker and re-place every request that lost state with it, most urgent
+        remaining SLO budget first. Requests that cannot be placed anywhere are refused (and
+        released)."""
+        return recovery.recover_worker(self, name, self.clock.now())
+
+    def poll(self) -> PollResult:
+        """Periodic housekeeping: declare silent workers dead, expire requests queued too long,
+        resume preempted batch work where a decode row is free."""
+        now = self.clock.now()
+        result = PollResult()
+        self._refresh_reference_rate()
+        for name in sorted(self.workers.stale(now, self.cfg.heartbeat_timeout_s)):
+            result.recovered.extend(self.on_worker_dead(name))
+        while self._expiry and self._expiry[0][0] <= now:
+            deadline, _, rid = heapq.heappop(self._expiry)
+            entry, b = self.journal.get(rid), self.ledger.get(rid)
+            if entry is None or b is None or entry.phase is not Phase.QUEUED or b.queue_deadline_s != deadline:
+                continue  # started, finished or re-placed since: a stale timer
+            refusal = Refusal(rid, RefusalReason.QUEUE_TIMEOUT, None,
+                              f"not started within {deadline - entry.desc.arrival_time:.1f} s")
+            self._count_refusal(refusal)
+            self.counters.num_expired += 1
+            self._leave(rid, now, None, completed=False, stage=Stage.REFUSED)
+            result.expired.append(refusal)
+        result.resumed.extend(recovery.resume_preempted(self, now))
+        return result
+
+    # ---- introspection, snapshot, rebuild ----------------------------------------------------
+
+    def decode_batch_cap(self, name: WorkerName) -> int:
+        return snapshots.decode_batch_cap(self, name)
+
+    def timeline(self, rid: RequestId) -> dict[str, Any] | None:
+        return self.timelines.get(rid)
+
+    def recent_timelines(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self.timelines.recent(limit)
+
+    def stats(self) -> SchedulerStats:
+        return snapshots.stats(self)
+
+    def snapshot(self) -> dict[str, Any]:
+        return snapshots.snapshot(self)
+
+    @classmethod
+    def rebuild(cls, cfg: SchedulerConfig, clock: Clock, in_flight: Sequence[JournalEntry],
+                loads: Sequence[WorkerLoad], fairness: dict[str, Any] | None = None,
+                ) -> tuple["GlobalScheduler", list[Placement | Refusal]]:
+        """A fresh scheduler rebuilt after a restart from the workers' reports and the ingress's
+        in-flight list; requests whose workers did not report are re-placed (the returned list)."""
+        return snapshots.rebuild(cls(cfg, clock), in_flight, loads, fairness)
+
+    def check_integrity(self) -> None:
+        snapshots.check_integrity(self)

@@ -1,0 +1,132 @@
+"""The scheduler's view of each worker: last report plus its own running accounts.
+
+Mental model: reports arrive every few tens of milliseconds and are stale the moment they leave,
+while the scheduler places requests far more often. So each `WorkerView` combines the last report
+(health, free blocks, measured mean decode context) with bookkeeping the scheduler updates on
+every decision and event:
+- prefill side: `backlog_s[rank]`, the predicted compute seconds of prefills placed there and not
+  yet done, per SLO class rank (interactive work waits only for interactive work ahead of it);
+- decode side: requests committed (placed, still prefilling elsewhere) and active (transferring or
+  decoding), their KV blocks, the multiset of active TPOT targets (`MinTracker`) and the running
+  batch-class requests that may be preempted (`VictimQueue`).
+Everything is O(1) or O(log n) per update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from cluster.cost_model import CostModelBank, StepTimeModel
+from cluster.descriptors import RequestId, WorkerKind, WorkerLoad, WorkerName
+from cluster.ordering import MinTracker, VictimQueue
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """Accounts of one worker. Counters never go negative (asserted by `check_integrity`)."""
+
+    name: WorkerName
+    kind: WorkerKind
+    max_num_seqs: int
+    model: StepTimeModel
+    healthy: bool = True
+    last_report_s: float = 0.0
+    block_size: int = 16
+    num_total_blocks: int = 0
+    reported_free_blocks: int = 0
+    reported_running: int = 0
+    reported_waiting: int = 0
+    blocks_since_report: int = 0  # blocks of requests activated after the last report
+    mean_context_tokens: float | None = None  # per decode row, from measured steps
+    backlog_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    num_prefill_queued: int = 0
+    num_committed: int = 0  # decode side: placed here, prefill still running elsewhere
+    num_active: int = 0  # decode side: transferring or decoding here
+    active_blocks: int = 0
+    committed_blocks: int = 0
+    active_context_tokens: int = 0
+    tpot_targets: MinTracker = field(default_factory=MinTracker)
+    victims: VictimQueue[RequestId] = field(default_factory=VictimQueue)
+    num_finished: int = 0
+
+    def apply_report(self, load: WorkerLoad, now: float) -> None:
+        self.healthy = load.healthy
+        self.last_report_s = now
+        self.block_size = load.block_size
+        self.num_total_blocks = load.num_total_blocks
+        self.reported_free_blocks = load.num_free_blocks
+        self.reported_running = load.num_running
+        self.reported_waiting = load.num_waiting
+        self.blocks_since_report = 0
+        rows = sum(s.num_decode_seqs for s in load.steps)
+        if rows:
+            measured = sum(s.num_context_tokens for s in load.steps) / rows
+            m = self.mean_context_tokens
+            self.mean_context_tokens = measured if m is None else 0.5 * m + 0.5 * measured
+
+    def free_blocks(self) -> int:
+        """Free KV blocks now: the report minus what was activated since, and never more than the
+        pool minus the scheduler's own count of active requests' blocks."""
+        by_report = self.reported_free_blocks - self.blocks_since_report
+        by_accounts = self.num_total_blocks - self.active_blocks
+        return max(0, min(by_report, by_accounts))
+
+    def context_per_row(self, fallback: float) -> float:
+        if self.mean_context_tokens is not None:
+            return self.mean_context_tokens
+        return self.active_context_tokens / self.num_active if self.num_active else fallback
+
+    def check_integrity(self) -> None:
+        assert min(self.backlog_s) >= -1e-6, f"{self.name}: negative backlog {self.backlog_s}"
+        for name in ("num_prefill_queued", "num_committed", "num_active", "active_blocks",
+                     "committed_blocks", "active_context_tokens"):
+            assert getattr(self, name) >= 0, f"{self.name}: {name} is negative"
+        assert len(self.tpot_targets) <= self.num_active, f"{self.name}: more TPOT targets than rows"
+
+
+class WorkerRegistry:
+    """Views by name, with the healthy prefill-capable and decode-capable ones kept as lists
+    (rebuilt only when membership or health changes, not per decision)."""
+
+    def __init__(self, default_max_num_seqs: int, models: CostModelBank) -> None:
+        self.default_max_num_seqs = default_max_num_seqs
+        self.models = models
+        self._views: dict[WorkerName, WorkerView] = {}
+        self.prefill: list[WorkerView] = []
+        self.decode: list[WorkerView] = []
+
+    def _rebuild(self) -> None:
+        views = sorted(self._views.values(), key=lambda v: v.name)
+        self.prefill = [v for v in views if v.healthy and v.kind.serves_prefill]
+        self.decode = [v for v in views if v.healthy and v.kind.serves_decode]
+
+    def get(self, name: WorkerName) -> WorkerView | None:
+        return self._views.get(name)
+
+    def upsert(self, load: WorkerLoad, now: float) -> WorkerView:
+        view = self._views.get(load.name)
+        changed = view is None or view.healthy != load.healthy or view.kind != load.kind
+        if view is None:
+            view = self._views[load.name] = WorkerView(load.name, load.kind, self.default_max_num_seqs,
+                                                       self.models.get(load.name))
+        view.kind = load.kind
+        view.apply_report(load, now)
+        if changed:
+            self._rebuild()
+        return view
+
+    def mark_dead(self, name: WorkerName) -> WorkerView | None:
+        view = self._views.pop(name, None)
+        self._rebuild()
+        return view
+
+    def stale(self, now: float, timeout_s: float) -> list[WorkerName]:
+        """Workers whose last report is older than `timeout_s` (missed heartbeats)."""
+        return [v.name for v in self._views.values() if now - v.last_report_s > timeout_s]
+
+    def __iter__(self) -> Iterator[WorkerView]:
+        return iter(list(self._views.values()))
+
+    def __len__(self) -> int:
+        return len(self._views)
