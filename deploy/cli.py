@@ -50,6 +50,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from deploy.local import loopback_env
+
+    loopback_env()  # before anything imports ray: it reads these at import time
+    from deploy.config import load_config
+
+    cfg = load_config(args.config)  # validate before starting anything
+    print(f"starting ferry ({cfg.mode}, model {cfg.model}) on a local Ray cluster ...", file=sys.stderr, flush=True)
+    from ray import serve
+
+    from deploy.apps import build_app
+    from deploy.local import start_local
+
+    urls = start_local(http_port=args.port)
+    t0 = time.perf_counter()
+    serve.run(build_app(cfg.model_dump(mode="json")), name="ferry", route_prefix="/", blocking=False)
+    key_hint = ' -H "Authorization: Bearer <key>"' if cfg.api.auth_required else ""
+    print(f"""ferry is up ({time.perf_counter() - t0:.0f}s)
+  API        {urls.api}/v1  (OpenAI-compatible; docs at {urls.api}/docs)
+  dashboard  {urls.api}/dashboard   Ray dashboard {urls.dashboard}
+  metrics    {urls.metrics}
+try:
+  curl -s {urls.api}/v1/chat/completions{key_hint} -H 'Content-Type: application/json' \\
+    -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+Ctrl-C stops it.""", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    import ray
+
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="Disaggregated LLM serving on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -60,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", help="known model name, e.g. smollm2")
     fetch.add_argument("--force", action="store_true", help="download again even if cached")
     fetch.set_defaults(func=_cmd_models_fetch)
+
+    srv = sub.add_parser("serve", help="run the disaggregated app on a local Ray cluster (127.0.0.1)")
+    srv.add_argument("--config", default=None, help="YAML config (deploy/serve.yaml shows every field)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("--model", default="smollm2", help="known name, .gguf file or HF folder")
@@ -79,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except EngineError as e:
+    except (EngineError, ValueError) as e:
         print(f"ferry: error: {e}", file=sys.stderr)
         return 2
 

@@ -145,7 +145,19 @@ _GGUF_LAYER = {
 _GGUF_EXPERT = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
 
 
-def _load_gguf(path: Path) -> LoadedWeights:
+def read_config(path: str | Path) -> ModelConfig:
+    """The architecture alone, without reading or dequantizing weights (for a process that only
+    routes requests, e.g. the HTTP ingress)."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
+        except FileNotFoundError as e:
+            raise ModelNotFound(f"{path} has no config.json") from e
+    return _open_gguf(path)[1]
+
+
+def _open_gguf(path: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
     import gguf
 
     try:
@@ -159,7 +171,11 @@ def _load_gguf(path: Path) -> LoadedWeights:
     if int(meta.get("split.count", 1)) > 1:
         raise UnsupportedModel(f"{path} is one part of a split GGUF; merge it first (llama-gguf-split --merge)")
     raw = {t.name: t for t in reader.tensors}
-    config = _gguf_config(reader, meta, raw, path)
+    return reader, _gguf_config(reader, meta, raw, path), raw
+
+
+def _load_gguf(path: Path) -> LoadedWeights:
+    _, config, raw = _open_gguf(path)
     shapes = expected_shapes(config)
 
     tensors: dict[str, torch.Tensor] = {}

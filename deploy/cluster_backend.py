@@ -1,0 +1,98 @@
+"""The HTTP app's backend over the Ray data plane: prefill + decode actors (or colocated ones).
+
+Mental model: the ingress owns HTTP; this turns one validated request into a `GenerationRequest`
+(seed resolved, tenant salt set) and streams the decode actor's `RequestOutput` deltas back through
+`PDClient`, which owns placement, deadlines and aborts. Closing the stream early aborts the request
+on its worker (PDClient fires the abort without awaiting, as the Backend contract requires).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from actors.engine.output import RequestOutput
+from actors.engine.sampling import SamplingParams
+from actors.engine.tokenizer import Tokenizer
+from actors.messages import GenerationRequest, WorkerLoad
+from actors.pd_client import NoCapacity, PDClient
+from actors.placement import NoWorkers, PlacementChoice
+from deploy.openai.backend import Refused
+from deploy.openai.timeline import TimelineRecorder
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1.0
+
+
+class LocalOnly:
+    """Placement for colocated workers: no handoff, least active first."""
+
+    def place(self, req: GenerationRequest, prefills: Sequence[WorkerLoad],
+              decodes: Sequence[WorkerLoad]) -> PlacementChoice:
+        healthy = sorted((w for w in decodes if w.healthy), key=lambda w: (w.num_active, w.name))
+        if not healthy:
+            raise NoWorkers("no healthy colocated worker")
+        return PlacementChoice(None, tuple(w.name for w in healthy))
+
+
+class ClusterBackend:
+    def __init__(self, client: PDClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 *, timeline_capacity: int = 1024) -> None:
+        self.client = client
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self.timelines = TimelineRecorder(timeline_capacity)
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
+        req = GenerationRequest(request_id, tuple(prompt_token_ids), params, tenant=tenant, arrival_time=time.time())
+        trace = self.timelines.open(request_id, tenant)
+        started = finished = False
+        try:
+            async for event in self.client.generate(req):
+                out = event.output
+                started, finished = True, out.finished
+                trace.on_output(out)
+                yield out
+        except (NoCapacity, NoWorkers) as e:
+            raise Refused(str(e), RETRY_AFTER_S) from e
+        finally:
+            if not started:
+                self.timelines.discard(request_id)
+            elif not finished:
+                trace.finish_reason = "abort"
+
+    def timeline(self, request_id: str) -> dict[str, Any] | None:
+        data = self.timelines.get(request_id)
+        result = self.client.prefill_result(request_id)
+        if data is not None and result is not None:
+            data["prefill"] = {
+                "worker": result.worker, "computed_tokens": result.num_computed_tokens,
+                "local_hit_blocks": result.num_local_hit_blocks, "pool_hit_blocks": result.num_pool_hit_blocks,
+                "kv_wire_bytes": result.kv_wire_bytes, "queued_s": result.queued_s, "lookup_s": result.lookup_s,
+                "compute_s": result.compute_s, "transfer_s": result.transfer_s,
+            }
+        return data
+
+    async def health(self) -> dict[str, Any]:
+        loads = await self.client.loads()
+        workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
+                          "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks}
+                   for name, w in loads.items()}
+        return {"healthy": bool(workers) and all(w["healthy"] for w in workers.values()), "workers": workers}

@@ -1,0 +1,129 @@
+"""The one YAML/dict config of a ferry deployment, validated at the boundary.
+
+Pydantic with `extra="forbid"` everywhere, so a misspelt field is an error naming it; cross-field
+checks live in `AppConfig._check`. Each component gets only its own section, converted to the
+frozen dataclasses the core classes take (`to_worker_config`, `to_cache_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from actors.engine.config import EngineConfig
+from actors.prefix_cache.store import PrefixCacheConfig
+from actors.worker_config import ClientConfig, WorkerConfig
+from deploy.openai.config import ApiConfig
+from transfer.config import TransferConfig
+
+MIB = 1 << 20
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSection(_Section):
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    block_size: int = Field(16, gt=0)
+    kv_cache_mib: int = Field(128, gt=0, description="KV block pool size of each worker")
+    max_num_seqs: int = Field(32, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    enable_prefix_caching: bool = True
+    torch_threads: int | None = Field(None, gt=0, description="threads each worker's kernels use")
+
+
+class TransferSection(_Section):
+    kind: Literal["auto", "nixl", "object_store"] = "auto"
+    compression: Literal["none", "int8", "fp8"] = "none"
+    num_shards: int = Field(2, ge=1)
+    staging_mib: int = Field(64, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+    lease_s: float = Field(30.0, gt=0)
+    ucx_net_devices: str | None = Field("lo", description='"lo" keeps NIXL on loopback; a GPU cluster names its NICs')
+
+
+class PrefixCacheSection(_Section):
+    num_stores: int = Field(1, ge=0, description="0 turns the prefix-cache pool off")
+    dram_mib: int = Field(256, gt=0)
+    disk_mib: int = Field(1024, ge=0)
+    disk_dir: str | None = None
+    compression: Literal["none", "int8", "fp8"] = "none"
+
+
+class AppConfig(_Section):
+    model: str = Field("smollm2", description="known name, .gguf file or HF folder")
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    num_prefill: int = Field(1, ge=1)
+    num_decode: int = Field(1, ge=1)
+    engine: EngineSection = EngineSection()
+    transfer: TransferSection = TransferSection()
+    prefix_cache: PrefixCacheSection = PrefixCacheSection()
+    api: ApiConfig = ApiConfig(auth_required=False)
+    request_timeout_s: float = Field(120.0, gt=0, description="longest a request may wait between tokens")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        if self.transfer.timeout_s >= self.transfer.lease_s:
+            raise ValueError("transfer.timeout_s must be shorter than transfer.lease_s")
+        return self
+
+    def to_engine_config(self) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(
+            block_size=e.block_size, kv_cache_bytes=e.kv_cache_mib * MIB, max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, dtype=e.dtype,
+            kv_cache_dtype=e.kv_cache_dtype, enable_prefix_caching=e.enable_prefix_caching,
+        )
+
+    def to_worker_config(self) -> WorkerConfig:
+        t = self.transfer
+        staging = t.staging_mib * MIB
+        return WorkerConfig(
+            model=self.model, engine=self.to_engine_config(),
+            transfer=TransferConfig(kind=t.kind, send_staging_bytes=staging, recv_staging_bytes=staging,
+                                    ucx_net_devices=t.ucx_net_devices),
+            compression=t.compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
+            lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
+        )
+
+    def to_cache_config(self) -> PrefixCacheConfig | None:
+        c = self.prefix_cache
+        if c.num_stores == 0:
+            return None
+        return PrefixCacheConfig(dram_bytes=c.dram_mib * MIB, disk_bytes=max(c.disk_mib, 1) * MIB,
+                                 disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0)
+
+    def to_client_config(self) -> ClientConfig:
+        return ClientConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the bad fields."""
+
+
+def load_config(source: str | Path | dict[str, Any] | None) -> AppConfig:
+    """From a YAML file, a dict (Serve passes `args`), or None for the defaults."""
+    where = "config"
+    if source is None:
+        data: Any = {}
+    elif isinstance(source, dict):
+        data = source
+    else:
+        where = str(source)
+        try:
+            data = yaml.safe_load(Path(source).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{where}: cannot read: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{where}: {problems}") from None
