@@ -19,7 +19,7 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/ferry models fetch smollm2
-	$(BIN)/ferry generate --model smollm2 --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+	$(BIN)/ferry serve --config deploy/serve.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc

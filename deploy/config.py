@@ -122,6 +122,11 @@ def load_config(source: str | Path | dict[str, Any] | None) -> AppConfig:
             raise ConfigError(f"{where}: cannot read: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
+    if "applications" in data:  # a Serve config file: ferry's args live under its application
+        apps = [a for a in data["applications"] or [] if str(a.get("import_path", "")).startswith("deploy.apps")]
+        if len(apps) != 1:
+            raise ConfigError(f"{where}: expected exactly one application with import_path deploy.apps:build_app")
+        data = apps[0].get("args") or {}
     try:
         return AppConfig.model_validate(data)
     except ValidationError as e:
