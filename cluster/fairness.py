@@ -9,9 +9,9 @@ cluster runs its counter into the future, and its requests' tags, used as priori
 everyone else's. Shares under contention therefore follow the weights, and nobody banks credit
 by idling (the `max(now, ...)`).
 
-The tag is combined with slack in `ordering.py`: a request's priority is the later of its latest
-start time and its fairness tag, so within a fair share least-slack-first decides, and beyond it
-fairness does.
+The tag's lead over real time is combined with slack in `ordering.py`: a request's priority is
+its urgency plus its tenant's lead, so within a fair share least-slack-first decides, and beyond
+it the excess pushes the flooding tenant's requests back.
 """
 
 from __future__ import annotations

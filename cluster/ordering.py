@@ -3,11 +3,12 @@
 Mental model:
 - Every placed request gets a static `PriorityKey` (smaller runs first): its SLO class rank
   (interactive before batch, so batch work only fills capacity interactive work leaves idle), then
-  `max(urgency, fairness tag)`. The urgency is the moment the request must be picked up by
+  `urgency + fairness lead`. The urgency is the moment the request must be picked up by
   (`urgency_key_s`), so its remaining slack at any instant is urgency - now; as `now` is common
-  to all, ordering by the static urgency is exactly least-remaining-slack-first. The fairness tag
-  (`fairness.py`) only takes over for a tenant running ahead of its weighted share. Keys are
-  static, so a worker orders its queue by a number and needs no policy code of its own.
+  to all, ordering by the static urgency is exactly least-remaining-slack-first. The fairness lead
+  (`fairness.py`) is zero for a tenant within its weighted share and grows with a tenant's excess,
+  pushing a flood's requests behind everyone else's. Keys are static, so a worker orders its
+  queue by a number and needs no policy code of its own.
 - A decode batch is capped so the tightest TPOT target among its running requests still holds
   under the fitted step-time model (`decode_batch_cap`).
 - When interactive work would miss, batch-class work is preempted first, the one with the most
@@ -59,8 +60,10 @@ def urgency_key_s(slo_class: SloClass, deadline_s: float, predicted_service_s: f
     return latest_start_s(deadline_s, predicted_service_s)
 
 
-def priority_key(slo_class: SloClass, urgency_s: float, fair_tag_s: float, seq: int) -> PriorityKey:
-    return PriorityKey(slo_class.rank, max(urgency_s, fair_tag_s), seq)
+def priority_key(slo_class: SloClass, urgency_s: float, fair_lead_s: float, seq: int) -> PriorityKey:
+    """`fair_lead_s`: how far the tenant's fairness counter runs ahead of real time (0 within
+    its share); it pushes the request back by that much, whatever the SLO's scale."""
+    return PriorityKey(slo_class.rank, urgency_s + fair_lead_s, seq)
 
 
 class SlackQueue(Generic[K]):

@@ -177,7 +177,9 @@ class PlacementPolicy:
             cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight, w.max_num_seqs)
             excess = max(1, rows - cap)
             if interactive and len(w.victims) >= excess and head > victim_head:
-                victim_pick, victim_head = DecodeChoice(w, step, 0.0, num_preempt=excess), head
+                # After evicting `excess` batch rows the batch is back within the cap.
+                after = max(min_step, step - per_row * excess)
+                victim_pick, victim_head = DecodeChoice(w, after, 0.0, num_preempt=excess), head
             # A row frees every (expected_output * step / rows) seconds on average.
             wait = excess * expected_output * step / rows
             if wait < fallback_wait:

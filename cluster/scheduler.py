@@ -140,12 +140,12 @@ class GlobalScheduler:
                 assert entry.completion_deadline_s is not None
                 urgency = urgency_key_s(entry.slo_class, entry.completion_deadline_s,
                                         service_s + remaining_out * decode_choice.step_s)
-            tag = now
+            lead = 0.0
             if self.cfg.fairness:
-                tag = self.fairness.tag(desc.tenant, tenant.cfg.weight, num_tokens + expected, now)
+                lead = self.fairness.tag(desc.tenant, tenant.cfg.weight, num_tokens + expected, now) - now
         else:  # recovery and resumption: urgency from the remaining budget, no fairness charge
-            urgency, tag = now + entry.remaining_budget_s(now) - service_s, now
-        prio = priority_key(entry.slo_class, urgency, tag, next(self._seq))
+            urgency, lead = now + entry.remaining_budget_s(now) - service_s, 0.0
+        prio = priority_key(entry.slo_class, urgency, lead, next(self._seq))
         victims = tuple(decode_choice.worker.victims.take(decode_choice.num_preempt))
         for victim in victims:
             self._preempt(victim, now)
@@ -183,7 +183,7 @@ class GlobalScheduler:
         self.ledger.close(rid)
         self.journal.move(rid, None, None, Phase.PREEMPTED)
         self._preempted.push(rid, priority_key(entry.slo_class, now + entry.remaining_budget_s(now),
-                                               now, next(self._seq)))
+                                               0.0, next(self._seq)))
         self.timelines.stamp(rid, Stage.PREEMPTED, now)
         self.counters.num_preempted += 1
 

@@ -58,7 +58,7 @@ def rebuild(sched: "GlobalScheduler", in_flight: Sequence[JournalEntry], loads: 
         sched.timelines.start(entry.request_id, entry.desc.tenant, entry.desc.arrival_time)
         if entry.phase is Phase.PREEMPTED:
             sched._preempted.push(entry.request_id, priority_key(
-                entry.slo_class, now + entry.remaining_budget_s(now), now, next(sched._seq)))
+                entry.slo_class, now + entry.remaining_budget_s(now), 0.0, next(sched._seq)))
             continue
         prefill_needed = entry.phase in (Phase.QUEUED, Phase.PREFILLING, Phase.TRANSFERRING)
         prefill_lost = prefill_needed and entry.prefill_worker not in alive

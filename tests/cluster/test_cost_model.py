@@ -1,0 +1,65 @@
+"""Online step-time model: recovers synthetic coefficients, tracks drift, keeps its prior where blind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.cost_model import StepCostPrior, StepTimeModel, prefill_pairs
+from cluster.descriptors import StepSample
+
+TRUE = (0.004, 2.5e-5, 2.0e-9, 6.0e-5, 5.0e-8)  # s, s/token, s/pair, s/row, s/context token
+
+
+def _sample(rng: random.Random, coef: tuple[float, ...], noise: float) -> StepSample:
+    if rng.random() < 0.5:
+        n, ctx = rng.randint(16, 8192), rng.randint(0, 4096)
+        pairs = prefill_pairs(n, ctx)
+        y = coef[0] + coef[1] * n + coef[2] * pairs
+        s = StepSample(n, pairs, 0, 0, y)
+    else:
+        b = rng.randint(1, 256)
+        c = b * rng.randint(100, 8000)
+        y = coef[0] + coef[3] * b + coef[4] * c
+        s = StepSample(0, 0.0, b, c, y)
+    return StepSample(s.num_prefill_tokens, s.num_prefill_pairs, s.num_decode_seqs, s.num_context_tokens,
+                      s.step_s * (1.0 + rng.gauss(0.0, noise)))
+
+
+def test_fit_recovers_synthetic_coefficients() -> None:
+    rng = random.Random(0)
+    model = StepTimeModel(StepCostPrior())
+    for _ in range(20):
+        model.observe_all([_sample(rng, TRUE, 0.02) for _ in range(25)])
+    assert model.num_samples == 500
+    for got, want in zip(model.coefficients, TRUE):
+        assert got == pytest.approx(want, rel=0.15)
+    assert model.predict_prefill(4096, 1024) == pytest.approx(
+        TRUE[0] + TRUE[1] * 4096 + TRUE[2] * prefill_pairs(4096, 1024), rel=0.03)
+    assert model.predict_decode_step(128, 128 * 2000) == pytest.approx(
+        TRUE[0] + TRUE[3] * 128 + TRUE[4] * 256000, rel=0.03)
+
+
+def test_forgetting_tracks_a_worker_that_slows_down() -> None:
+    rng = random.Random(1)
+    model = StepTimeModel(StepCostPrior(forgetting=0.98))
+    for _ in range(300):
+        model.observe_all([_sample(rng, TRUE, 0.0)])
+    slow = tuple(2.0 * c for c in TRUE)
+    for _ in range(400):
+        model.observe_all([_sample(rng, slow, 0.0)])
+    assert model.predict_decode_step(64, 64 * 1000) == pytest.approx(
+        slow[0] + slow[3] * 64 + slow[4] * 64000, rel=0.05)
+
+
+def test_unobserved_directions_stay_at_the_prior_and_bad_samples_are_ignored() -> None:
+    rng = random.Random(2)
+    prior = StepCostPrior()
+    model = StepTimeModel(prior)
+    decode_only = [s for s in (_sample(rng, TRUE, 0.0) for _ in range(2000)) if s.num_decode_seqs][:400]
+    model.observe_all(decode_only + [StepSample(10, 1.0, 0, 0, float("nan")), StepSample(1, 1.0, 0, 0, -1.0)])
+    assert model.num_samples == 400
+    # A decode-only worker never sees prefill work: those coefficients stay near the prior.
+    assert model.coefficients[1] == pytest.approx(prior.coef[1] * 1e-3, rel=0.05)
+    assert model.coefficients[3] == pytest.approx(TRUE[3], rel=0.1)
