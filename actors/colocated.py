@@ -15,18 +15,14 @@ from actors.engine.async_engine import AsyncEngine
 from actors.messages import GenerationRequest, TokenEvent, WorkerKind, WorkerLoad
 
 
-def engine_alive(async_engine: AsyncEngine) -> bool:
-    # AsyncEngine keeps the stepping thread's fatal error; it has no public accessor yet.
-    return getattr(async_engine, "_error", None) is None
-
-
 def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserved: int = 0) -> WorkerLoad:
-    """Blocking (waits for the engine lock, up to one step): call it off the event loop."""
-    s = async_engine.stats()
+    """A lock-free snapshot: never waits for a step (a scheduler polls it often), and may mix
+    counters from just before and just after one; it only reads lengths and ints."""
+    s = async_engine.engine.stats()
     return WorkerLoad(name=name, kind=kind, num_running=s.num_running, num_waiting=s.num_waiting,
                       num_reserved=num_reserved, num_free_blocks=s.num_blocks_free,
                       num_total_blocks=s.num_blocks_total, last_step_s=s.last_step_s,
-                      healthy=engine_alive(async_engine))
+                      healthy=async_engine.is_alive)
 
 
 class ColocatedWorker:
@@ -49,7 +45,7 @@ class ColocatedWorker:
         return await asyncio.to_thread(self.engine.abort, request_id)
 
     async def load(self) -> WorkerLoad:
-        return await asyncio.to_thread(read_load, self.engine, self.name, "colocated")
+        return read_load(self.engine, self.name, "colocated")
 
     def close(self) -> None:
         self.engine.shutdown()

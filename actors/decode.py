@@ -84,8 +84,15 @@ class DecodeWorker:
             entry = self._streams.pop(request_id, None)
         if entry is None:
             raise UnknownRequest(f"{request_id} was not announced here, or its stream is taken or expired")
-        async for out in self.engine.stream(request_id, entry[0]):
-            yield TokenEvent.of(out, self.name)
+        finished = False
+        try:
+            async for out in self.engine.stream(request_id, entry[0]):
+                finished = out.finished
+                yield TokenEvent.of(out, self.name)
+        finally:
+            if not finished:  # the consumer went away: a reservation still waiting for KV is freed too
+                asyncio.get_running_loop().run_in_executor(
+                    None, self.receiver.cancel, request_id, RequestAborted(f"{request_id}: stream closed"))
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Runs a request with nothing to hand over entirely here (1-token prompt, resume)."""
@@ -117,7 +124,7 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------------ introspection
     async def load(self) -> WorkerLoad:
-        return await asyncio.to_thread(read_load, self.engine, self.name, "decode", self.receiver.num_pending)
+        return read_load(self.engine, self.name, "decode", self.receiver.num_pending)
 
     def receiver_stats(self) -> ReceiverStats:
         return self.receiver.stats()

@@ -2,16 +2,20 @@
 
 Mental model: a decode worker `expect`s a request once its blocks are reserved; from then on the
 request is a `_Reservation` keyed by its transfer tag, with a lease deadline. One thread loops on
-`transport.recv(poll)`: each arriving shard is decoded, checked against its reservation (tag, block
-count, layers) and written into the reserved blocks between engine steps; its delivery is released
-at once so the sender's next shards get the room. When every shard of the transfer has landed the
-request is committed into the running batch. The same loop expires reservations whose lease
+`transport.recv(poll)`, taking each arrival together with whatever else already arrived: the shards
+are decoded and checked against their reservations (tag, block count) outside any lock, then
+written into the reserved blocks in one engine-lock wait (the engine is locked for a whole step, so
+a wait per shard would cost a step per shard), and the requests whose last shard landed are
+committed into the running batch in that same wait. Deliveries are released right after, so the
+senders' next shards get the room. The same loop expires reservations whose lease
 passed: their blocks are freed and their streams fail with `KVNotArrived`. Shards of an unknown
 tag (late, or of an expired or aborted request) are released and dropped.
 
 Locking: `_lock` guards the reservations and is held across "find reservation -> write blocks ->
-commit" so that an abort cannot free blocks that are being written (the engine lock is only ever
-taken inside `_lock`, never the other way round).
+commit", so a `cancel` cannot free blocks that are being written (the engine lock is only ever
+taken inside `_lock`, never the other way round). An abort that reaches the engine directly (a
+stream consumer that went away) is caught under the engine lock, right before the write: a
+reservation whose blocks the engine no longer holds for it is never written to.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from dataclasses import dataclass, field
 from actors.engine.async_engine import AsyncEngine
 from actors.errors import HandoffFailed, KVNotArrived, RequestAborted
 from actors.handoff import transfer_tag
-from transfer.codec import KVLayout, decode_shard
+from transfer.codec import DecodedShard, KVLayout, decode_shard
 from transfer.transport import Delivery, KVTransport, TransferError, TransferTimeout
 
 logger = logging.getLogger(__name__)
+MAX_BATCH = 64  # deliveries landed under one engine-lock wait
 
 
-@dataclass
+@dataclass(eq=False)  # identity-hashed: a dict key while its shards land
 class _Reservation:
     request_id: str
     block_ids: list[int]
@@ -100,47 +105,89 @@ class KVReceiver:
     # ------------------------------------------------------------------------ receiver thread
     def _run(self) -> None:
         while not self._stop.is_set():
+            batch = self._take()
             try:
-                delivery = self.transport.recv(timeout_s=self.poll_s)
-            except TransferTimeout:
-                delivery = None
-            except TransferError as e:  # e.g. a sender died with its shard: its lease will expire
-                logger.warning("%s: receive failed: %s", self.transport.name, e)
-                delivery = None
-            try:
-                if delivery is not None:
-                    with delivery:
-                        self._land(delivery)
+                if batch:
+                    self._land(batch)
                 self._expire(time.monotonic())
             except Exception:  # keep landing other requests' KV; this one's lease will expire
                 logger.exception("%s: receiver step failed", self.transport.name)
+            finally:
+                for delivery in batch:
+                    delivery.release()
 
-    def _land(self, d: Delivery) -> None:
-        with self._lock:
-            res = self._pending.get(d.tag)
-            if res is None:
-                self._num_dropped += 1
-                logger.info("%s: dropped a shard of unknown or expired tag %#x", self.transport.name, d.tag)
-                return
+    def _take(self) -> list[Delivery]:
+        """The next delivery (waiting up to `poll_s`) and every other one already there."""
+        batch: list[Delivery] = []
+        wait_s = self.poll_s
+        while len(batch) < MAX_BATCH:
             try:
-                shard = decode_shard(d.data, self.layout)
-                h = shard.header
-                if h.transfer_id != d.tag or h.num_blocks != len(res.block_ids):
-                    raise HandoffFailed(f"{res.request_id}: shard of transfer {h.transfer_id:#x} with "
-                                        f"{h.num_blocks} blocks for {len(res.block_ids)} reserved ones")
-                self.engine.locked(self.engine.engine.runner.write_blocks, res.block_ids, shard.kv, shard.layers)
-            except (TransferError, ValueError, HandoffFailed) as e:
-                del self._pending[d.tag]
-                self._num_failed += 1
-                self._drop(res, e if isinstance(e, HandoffFailed) else HandoffFailed(f"{res.request_id}: {e}"))
+                batch.append(self.transport.recv(timeout_s=wait_s))
+            except TransferTimeout:
+                break
+            except TransferError as e:  # e.g. a sender died with its shard: its lease will expire
+                logger.warning("%s: receive failed: %s", self.transport.name, e)
+                break
+            wait_s = 0.0
+        return batch
+
+    def _land(self, batch: list[Delivery]) -> None:
+        with self._lock:
+            writes: list[tuple[_Reservation, DecodedShard, int]] = []
+            for d in batch:
+                res = self._pending.get(d.tag)
+                if res is None:
+                    self._num_dropped += 1
+                    logger.info("%s: dropped a shard of unknown or expired tag %#x", self.transport.name, d.tag)
+                    continue
+                try:
+                    shard = decode_shard(d.data, self.layout)
+                    h = shard.header
+                    if h.transfer_id != d.tag or h.num_blocks != len(res.block_ids):
+                        raise HandoffFailed(f"{res.request_id}: shard of transfer {h.transfer_id:#x} with "
+                                            f"{h.num_blocks} blocks for {len(res.block_ids)} reserved ones")
+                except (TransferError, ValueError, HandoffFailed) as e:
+                    self._fail(d.tag, e if isinstance(e, HandoffFailed) else HandoffFailed(f"{res.request_id}: {e}"))
+                    continue
+                writes.append((res, shard, len(d.data)))
+            if not writes:
                 return
-            res.shards_seen.add(h.shard_index)
-            res.wire_bytes += len(d.data)
-            if len(res.shards_seen) == h.num_shards:
-                del self._pending[d.tag]
-                self.engine.locked(self.engine.engine.commit, res.request_id)
-                self._num_committed += 1
-                self._wire_bytes += res.wire_bytes
+            # One engine-lock wait (up to a step) for the whole batch, not one per shard.
+            for res, outcome in self.engine.locked(self._write_and_commit, writes).items():
+                tag = transfer_tag(res.request_id)
+                if outcome == "committed":
+                    del self._pending[tag]
+                    self._num_committed += 1
+                    self._wire_bytes += res.wire_bytes
+                elif outcome == "gone":
+                    self._fail(tag, RequestAborted(f"{res.request_id}: its reservation was dropped"))
+
+    def _write_and_commit(self, writes: list[tuple[_Reservation, DecodedShard, int]]) -> dict[_Reservation, str]:
+        # Runs under the engine lock. The reservation is checked here, atomically with the write:
+        # an engine-side abort may have freed (and reused) its blocks since the shard arrived.
+        engine = self.engine.engine
+        outcome: dict[_Reservation, str] = {}
+        for res, shard, num_bytes in writes:
+            if outcome.get(res) == "gone" or engine.kv.block_ids(res.request_id) != res.block_ids:
+                outcome[res] = "gone"
+                continue
+            engine.runner.write_blocks(res.block_ids, shard.kv, shard.layers)
+            res.shards_seen.add(shard.header.shard_index)
+            res.wire_bytes += num_bytes
+            if len(res.shards_seen) == shard.header.num_shards:
+                engine.commit(res.request_id)
+                outcome[res] = "committed"
+            else:
+                outcome.setdefault(res, "written")
+        return outcome
+
+    def _fail(self, tag: int, error: BaseException) -> None:
+        # Caller holds _lock. A reservation may already have failed on an earlier shard.
+        res = self._pending.pop(tag, None)
+        if res is None:
+            return
+        self._num_failed += 1
+        self._drop(res, error)
 
     def _expire(self, now: float) -> None:
         with self._lock:

@@ -108,14 +108,18 @@ class PrefillWorker:
         return num_local, self.engine.locked(self._engine.import_cached_blocks, got, kv)
 
     def _ship(self, req: GenerationRequest, hashes: list[BlockHash], decode_peer: str) -> tuple[torch.Tensor, SendStats]:
-        block_ids, _ = self.engine.locked(self._engine.held_kv, req.request_id)
         n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)
-        kv = self.engine.locked(self._engine.runner.read_blocks, block_ids[:n])  # [L, 2, n, bs, Hkv, D], a copy
+        kv = self.engine.locked(self._read_held, req.request_id, n)  # [L, 2, n, bs, Hkv, D], a copy
         tag = transfer_tag(req.request_id)
         shards = encode(kv, self.layout, compression=self.cfg.compression,
                         num_shards=min(self.cfg.num_shards, self.layout.num_layers),
                         block_hashes=[*hashes[:n], *[0] * (n - len(hashes[:n]))], transfer_id=tag)
         return kv, self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)
+
+    def _read_held(self, request_id: str, num_blocks: int) -> torch.Tensor:
+        # Under the engine lock: one wait for both calls.
+        block_ids, _ = self._engine.held_kv(request_id)
+        return self._engine.runner.read_blocks(block_ids[:num_blocks])
 
     # ------------------------------------------------------------------------ wiring, stats
     async def add_peer(self, metadata: bytes) -> str:
@@ -130,7 +134,7 @@ class PrefillWorker:
         return None if self.pool is None else self.pool.stats()
 
     async def load(self) -> WorkerLoad:
-        return await self._call(read_load, self.engine, self.name, "prefill")
+        return read_load(self.engine, self.name, "prefill")
 
     def close(self) -> None:
         if self.pool is not None:

@@ -143,3 +143,34 @@ def test_abort_before_the_kv_lands_frees_blocks(tiny_model_dir: Path) -> None:
             cluster.close()
 
     asyncio.run(main())
+
+
+def test_kv_landing_after_an_engine_side_abort_touches_no_reused_block(tiny_model_dir: Path) -> None:
+    stale_prompt, fresh_prompt = random_tokens(40, seed=6), random_tokens(40, seed=7)
+    (want,) = reference(tiny_model_dir, [fresh_prompt], GREEDY)
+
+    async def main() -> None:
+        cluster = await LocalCluster.start(worker_config(tiny_model_dir))
+        try:
+            decode = cluster.decode
+            assert decode is not None
+            stale = GenerationRequest("stale", stale_prompt, GREEDY)
+            assert await decode.announce(stale)
+            stale_blocks = decode.engine.engine.kv.block_ids("stale")
+            decode.engine.abort("stale")  # what a stream consumer that went away does
+            fresh = GenerationRequest("fresh", fresh_prompt, GREEDY)
+            assert await decode.announce(fresh)
+            assert decode.engine.engine.kv.block_ids("fresh") == stale_blocks  # the freed blocks, reused
+            await cluster.prefills[0].prefill(stale, cluster.peer)  # lands on a reservation that is gone
+            await asyncio.sleep(0.3)
+            await cluster.prefills[0].prefill(fresh, cluster.peer)
+            run = [e async for e in decode.generate_after_kv("fresh")]
+            assert [t for e in run for t in e.output.new_token_ids] == want
+            stats = decode.receiver_stats()
+            assert (stats.num_failed, stats.num_committed, stats.num_pending) == (1, 1, 0)
+            decode.engine.engine.check_integrity()
+            assert decode.engine.engine.kv.pool.num_free_blocks == NUM_BLOCKS
+        finally:
+            cluster.close()
+
+    asyncio.run(main())
