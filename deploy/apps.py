@@ -22,6 +22,7 @@ from actors.pd_client import PDClient
 from actors.ray_actors import RemoteColocated, start_pd
 from deploy.cluster_backend import ClusterBackend, LocalOnly
 from deploy.config import AppConfig, load_config
+from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class FerryIngress:
     def __init__(self, config: dict[str, Any]) -> None:
         self.cfg = AppConfig.model_validate(config)
         cfg = self.cfg
+        if cfg.loopback_only:
+            bind_replica_grpc_to_loopback()
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
         self.tokenizer = Tokenizer.load(path)
         worker_cfg = cfg.to_worker_config()

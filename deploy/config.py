@@ -66,6 +66,7 @@ class AppConfig(_Section):
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     api: ApiConfig = ApiConfig(auth_required=False)
     request_timeout_s: float = Field(120.0, gt=0, description="longest a request may wait between tokens")
+    loopback_only: bool = Field(True, description="bind every listener of ferry's own to 127.0.0.1 (local runs)")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

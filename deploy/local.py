@@ -26,10 +26,11 @@ def loopback_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def serve_loopback_hook() -> None:
-    """Worker-process setup hook. Serve replicas open an inter-deployment gRPC server on `[::]:0`
-    (hard-coded in Ray 2.60, not covered by the env switch above); on the local cluster it must
-    listen on loopback like everything else."""
+def bind_replica_grpc_to_loopback() -> None:
+    """Serve replicas open an inter-deployment gRPC server on `[::]:0` (hard-coded in Ray 2.60,
+    not covered by the env switch above) right after the deployment's constructor returns; on a
+    loopback-only cluster it must listen on 127.0.0.1 like everything else. Called from the
+    ingress constructor, so it holds however Ray was started."""
     from ray.serve._private import replica
 
     original = replica.add_port_to_grpc_server
@@ -48,8 +49,7 @@ def start_local(http_port: int = 8000, dashboard_port: int = 8265, metrics_port:
 
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=True,
              dashboard_host="127.0.0.1", dashboard_port=dashboard_port, _metrics_export_port=metrics_port,
-             logging_level="WARNING", log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "deploy.local.serve_loopback_hook"})
+             logging_level="WARNING", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     return LocalUrls(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{dashboard_port}",
                      f"http://127.0.0.1:{metrics_port}/metrics")

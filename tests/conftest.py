@@ -2,6 +2,11 @@ import os
 
 import pytest
 
+# Before any test module imports ray: Ray reads these at import time. Every Ray port then binds
+# 127.0.0.1 (shared/NOTES-ray.md) and the test clusters need no auth token.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -1,0 +1,135 @@
+"""The whole app as users run it: Serve ingress + prefill, decode and cache actors on a local Ray
+cluster, driven with the `openai` client over 127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from deploy.config import ConfigError, load_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PORT = 8321
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine\.dtyp"):
+        load_config({"engine": {"dtyp": "bfloat16"}})
+    with pytest.raises(ConfigError, match=r"transfer\.timeout_s must be shorter"):
+        load_config({"transfer": {"timeout_s": 40, "lease_s": 30}})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications:\n  - import_path: deploy.apps:build_app\n    args: {num_decode: 0}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: num_decode"):
+        load_config(bad)
+    assert load_config("deploy/serve.yaml").mode == "disaggregated"
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_model_dir):
+    from ray import serve
+
+    from deploy.apps import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    cfg = {
+        "model": str(tiny_model_dir), "engine": {"dtype": "float32", "kv_cache_mib": 4, "torch_threads": 1},
+        "prefix_cache": {"num_stores": 1, "dram_mib": 8, "disk_mib": 0},
+        "transfer": {"staging_mib": 8},
+    }
+    serve.run(build_app(cfg), name="ferry-test", route_prefix="/", blocking=False)
+    deadline = time.monotonic() + 300
+    import httpx2
+
+    while time.monotonic() < deadline:
+        try:
+            if httpx2.get(f"http://127.0.0.1:{PORT}/health", timeout=5).status_code == 200:
+                break
+        except httpx2.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("the app did not become healthy in 300 s")
+    yield f"http://127.0.0.1:{PORT}"
+    serve.delete("ferry-test")
+    serve.shutdown()
+
+
+def test_openai_client_chat_and_completions(served, tiny_model_dir):
+    import openai
+
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import Engine
+    from actors.engine.sampling import SamplingParams
+
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    prompt = "The ferry leaves the harbor at seven in the morning"
+    ref = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_blocks=64))
+    [want] = ref.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].text == want.text and done.usage.completion_tokens == 12
+    chunks = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in chunks:
+        pieces += [c.text for c in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(pieces) == want.text and usage.completion_tokens == 12
+
+    msgs = [{"role": "user", "content": "The capital of France"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert chat.choices[0].message.content == streamed
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_input_and_disconnect_free_everything(served):
+    import httpx2
+
+    r = httpx2.post(f"{served}/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx2.post(f"{served}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404
+    r = httpx2.post(f"{served}/v1/completions", json={"model": "x", "prompt": "hi", "temperature": -1}, timeout=30)
+    assert r.status_code in (400, 404)
+
+    model = httpx2.get(f"{served}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "The ferry", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    with httpx2.stream("POST", f"{served}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        workers = httpx2.get(f"{served}/health", timeout=10).json()["workers"]
+        if all(w["running"] == 0 and w["waiting"] == 0 and w["free_blocks"] == w["total_blocks"]
+               for w in workers.values()):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"blocks not freed after a disconnect: {workers}")
+
+
+def test_nothing_listens_beyond_loopback(served):
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    import os
+
+    ours = {str(os.getpid())}
+    import ray
+
+    ours |= {str(w["pid"]) for w in ray.util.state.list_workers(limit=1000, raise_on_missing_output=False)
+             if w.get("pid")} if hasattr(ray.util, "state") else set()
+    wide = [line for line in out.splitlines() if "users:" in line
+            and not line.split()[3].startswith(("127.", "[::1]", "::1", "[::ffff:127."))
+            and any(f"pid={p}," in line for p in ours)]
+    assert not wide, wide
