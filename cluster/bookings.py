@@ -34,6 +34,7 @@ class Booking:
     tpot_s: float | None
     slack_key_s: float
     queue_deadline_s: float
+    predicted_first_token_s: float = 0.0
     prefill_open: bool = False
     decode_state: int = NONE
 

@@ -132,6 +132,8 @@ class PlacementPolicy:
             if compute < min_step:
                 compute = min_step
             wait = w.backlog_s[0] if rank == 0 else w.backlog_s[0] + w.backlog_s[1]
+            if w.ttft_bias_s > 0:  # learned lateness of this worker's first tokens
+                wait += w.ttft_bias_s
             fetch = (hit - local) * fetch_per_block
             ttft = wait + fetch + compute
             if ttft < best_ttft:

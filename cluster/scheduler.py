@@ -154,7 +154,7 @@ class GlobalScheduler:
         queue_deadline = now + tenant.cfg.queue_timeout_s
         booking = Booking(rid, rank, pw.name, service_s, dw.name,
                           -(-(num_tokens + remaining_out) // dw.block_size), num_tokens, entry.tpot_s,
-                          urgency, queue_deadline)
+                          urgency, queue_deadline, now + prefill_choice.ttft_s)
         redirect_active = kind is PlacementKind.REDIRECT and entry.phase is Phase.TRANSFERRING
         keep_prefill = kind is not PlacementKind.REDIRECT or entry.phase in (Phase.QUEUED, Phase.PREFILLING)
         self.ledger.open(booking, prefill=keep_prefill, decode_active=redirect_active)
@@ -246,6 +246,10 @@ class GlobalScheduler:
         if entry is None:
             return
         if entry.num_output_tokens == 0 or entry.phase in (Phase.QUEUED, Phase.PREFILLING):
+            b = self.ledger.get(rid)
+            view = self.workers.get(b.prefill) if b is not None and b.prefill_open and b.prefill else None
+            if view is not None and b is not None:
+                view.learn_ttft_error(t - b.predicted_first_token_s)
             self._prefill_done(entry)
         self.journal.record_tokens(rid, t, tuple(token_ids), count)
         for _ in range(len(token_ids) if token_ids else count):

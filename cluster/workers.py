@@ -5,7 +5,9 @@ while the scheduler places requests far more often. So each `WorkerView` combine
 (health, free blocks, measured mean decode context) with bookkeeping the scheduler updates on
 every decision and event:
 - prefill side: `backlog_s[rank]`, the predicted compute seconds of prefills placed there and not
-  yet done, per SLO class rank (interactive work waits only for interactive work ahead of it);
+  yet done, per SLO class rank (interactive work waits only for interactive work ahead of it),
+  and `ttft_bias_s`, how late first tokens came versus prediction (what the sum of compute times
+  misses: a request finishes with the whole engine step it shares with others, report staleness);
 - decode side: requests committed (placed, still prefilling elsewhere) and active (transferring or
   decoding), their KV blocks, the multiset of active TPOT targets (`MinTracker`) and the running
   batch-class requests that may be preempted (`VictimQueue`).
@@ -40,6 +42,7 @@ class WorkerView:
     blocks_since_report: int = 0  # blocks of requests activated after the last report
     mean_context_tokens: float | None = None  # per decode row, from measured steps
     backlog_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    ttft_bias_s: float = 0.0  # running mean of (actual - predicted) first-token time here
     num_prefill_queued: int = 0
     num_committed: int = 0  # decode side: placed here, prefill still running elsewhere
     num_active: int = 0  # decode side: transferring or decoding here
@@ -71,6 +74,9 @@ class WorkerView:
         by_report = self.reported_free_blocks - self.blocks_since_report
         by_accounts = self.num_total_blocks - self.active_blocks
         return max(0, min(by_report, by_accounts))
+
+    def learn_ttft_error(self, error_s: float, weight: float = 0.05) -> None:
+        self.ttft_bias_s += weight * (error_s - self.ttft_bias_s)
 
     def context_per_row(self, fallback: float) -> float:
         if self.mean_context_tokens is not None:

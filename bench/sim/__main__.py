@@ -1,0 +1,3 @@
+from bench.sim.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""The simulated cluster: instances, KV transfers, the prefix pool, reports and failures.
+
+Mental model: `SimCluster` is the data plane's physics and the router is the control plane.
+Arrivals go to `router.on_arrival`, which calls back `dispatch` (or `refuse`); instances call
+`start_prefill` / `finish_prefill` / `decode_admitted` / `finish` as steps end; the cluster moves
+KV between instances, emits tokens, and tells the router what happened in the same vocabulary
+the real data plane would use. Every `report_interval_s` alive instances report their load
+(`WorkerLoad`, with measured step samples and prefix-cache deltas); a dead instance simply stops
+reporting, so a scheduler notices it by missed heartbeats. Baseline routers, which read no
+reports, are told of a death after the same heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from bench.sim.cache import BlockCache
+from bench.sim.colocated import ColocatedInstance
+from bench.sim.events import EventLoop
+from bench.sim.hardware import NetworkSpec, RooflineCost, StepCost
+from bench.sim.instances import DecodeInstance, PrefillInstance
+from bench.sim.request import (CANCELLED, DECODE_WAIT, DONE, LOST, ORPHAN, PREEMPTED, PREFILLING, QUEUED,
+                               REFUSED, TRANSFER, SimRequest)
+from cluster.descriptors import WorkerKind, WorkerLoad, WorkerName
+
+if TYPE_CHECKING:
+    from bench.sim.policies import Router
+
+Instance = PrefillInstance | DecodeInstance | ColocatedInstance
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """Shape of the simulated cluster. `num_colocated` > 0 builds a colocated cluster instead of
+    prefill + decode instances. `hash_block_tokens`: tokens per prefix hash block (512 for
+    Mooncake). `failures`: (time_s, target) pairs, the target an instance name or "p" / "d" / "c"
+    for the busiest alive prefill / decode / colocated instance at that moment."""
+
+    num_prefill: int = 16
+    num_decode: int = 16
+    num_colocated: int = 0
+    prefill_token_budget: int = 8192
+    colocated_token_budget: int = 8192
+    max_num_seqs: int = 1024
+    kv_block_tokens: int = 16
+    hash_block_tokens: int = 512
+    prefix_cache_fraction: float = 0.8
+    pool_capacity_tokens: int = 8_000_000
+    use_pool: bool = True
+    report_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 1.0
+    failures: tuple[tuple[float, str], ...] = ()
+    network: NetworkSpec = field(default_factory=NetworkSpec)
+
+
+@dataclass(slots=True)
+class FailureRecord:
+    name: str
+    t_fail: float
+    affected: list[SimRequest]
+
+
+class SimCluster:
+    def __init__(self, spec: ClusterSpec, router: "Router", cost: StepCost | None = None,
+                 kv_bytes_per_token: int = 131072, kv_capacity_tokens: int | None = None) -> None:
+        self.spec, self.router = spec, router
+        self.cost = cost or RooflineCost()
+        self.loop = EventLoop()
+        self.kv_bytes = kv_bytes_per_token
+        kv_tokens = kv_capacity_tokens or RooflineCost().kv_capacity_tokens()
+        kv_blocks = kv_tokens // spec.kv_block_tokens
+        cache_blocks = int(kv_tokens * spec.prefix_cache_fraction) // spec.hash_block_tokens
+        self.pool = (BlockCache(spec.pool_capacity_tokens // spec.hash_block_tokens, track_deltas=True)
+                     if spec.use_pool and not spec.num_colocated else None)
+        self.fetch_s_per_block = spec.hash_block_tokens * kv_bytes_per_token / spec.network.pool_bytes_per_s
+        self.instances: dict[str, Instance] = {}
+        if spec.num_colocated:
+            for i in range(spec.num_colocated):
+                self.instances[f"c{i}"] = ColocatedInstance(
+                    f"c{i}", self.cost, self, kv_blocks, spec.kv_block_tokens, cache_blocks,
+                    spec.colocated_token_budget, spec.max_num_seqs)
+        else:
+            for i in range(spec.num_prefill):
+                self.instances[f"p{i}"] = PrefillInstance(f"p{i}", self.cost, self, cache_blocks,
+                                                          spec.prefill_token_budget)
+            for i in range(spec.num_decode):
+                name = f"d{i}"
+                self.instances[name] = DecodeInstance(name, self.cost, self, kv_blocks, spec.kv_block_tokens,
+                                                      self._cap_fn(name))
+        self.failures: list[FailureRecord] = []
+        self.requests: dict[str, SimRequest] = {}
+
+    def _cap_fn(self, name: str):  # type: ignore[no-untyped-def]
+        limit = self.spec.max_num_seqs
+        return lambda: min(limit, self.router.decode_cap(name) or limit)
+
+    # ---- running --------------------------------------------------------------------------
+
+    def run(self, requests: list[SimRequest], drain_s: float = 120.0) -> None:
+        self.requests = {r.rid: r for r in requests}
+        self.router.attach(self)
+        end = (requests[-1].arrival if requests else 0.0) + drain_s
+        self.loop.at(0.0, self._tick, end)  # first, so the scheduler has its reports at t = 0
+        for r in requests:
+            self.loop.at(r.arrival, self.router.on_arrival, r)
+        for t, name in self.spec.failures:
+            self.loop.at(t, self._fail, name)
+        pending = [len(requests)]
+        self._pending = pending
+        self.loop.run(end, stop=lambda: pending[0] == 0)
+
+    def _settle(self, req: SimRequest) -> None:
+        self._pending[0] -= 1
+
+    def _tick(self, end: float) -> None:
+        if self.router.wants_reports:
+            for inst in self.instances.values():
+                if not inst.dead:
+                    self.router.on_report(self._report(inst))
+            if self.pool is not None:
+                added, removed = self.pool.take_deltas()
+                if added or removed:
+                    self.router.on_pool_report(added, removed)
+        self.router.on_tick()
+        if self.loop.now + self.spec.report_interval_s <= end and self._pending[0] > 0:
+            self.loop.after(self.spec.report_interval_s, self._tick, end)
+
+    def _report(self, inst: Instance) -> WorkerLoad:
+        running, waiting = inst.load()
+        if isinstance(inst, PrefillInstance):
+            kind, free, total = WorkerKind.PREFILL, 0, 0
+            added, removed = inst.cache.take_deltas()
+        else:
+            kind = WorkerKind.DECODE if isinstance(inst, DecodeInstance) else WorkerKind.COLOCATED
+            total, free = inst.dec.kv_blocks, inst.dec.kv_blocks - inst.dec.used_blocks
+            added, removed = (), ()
+        steps = tuple(getattr(inst, "samples", ()))
+        if hasattr(inst, "samples"):
+            inst.samples = []
+        return WorkerLoad(WorkerName(inst.name), kind, running, waiting, max(0, free), total,
+                          self.spec.kv_block_tokens, True, self.loop.now, steps, added, removed)
+
+    # ---- the router's commands --------------------------------------------------------------
+
+    def dispatch(self, req: SimRequest, prefill: str, decode: str | None, key: tuple) -> None:
+        """Queue `req`'s prefill (of prompt + tokens generated so far) on `prefill`; its KV then
+        goes to `decode` (or wherever `router.decode_target` says when prefill ends)."""
+        req.state, req.prefill_inst, req.decode_inst, req.key = QUEUED, prefill, decode, key
+        req.reset_prefill()
+        inst = self.instances[prefill]
+        if inst.dead:
+            self._lose(req, self.loop.now)
+        else:
+            inst.enqueue(req)  # type: ignore[union-attr]
+
+    def redirect(self, req: SimRequest, decode: str) -> None:
+        """Change where `req`'s KV goes; an orphaned KV (sent to a dead decoder) is sent again."""
+        req.decode_inst = decode
+        if req.state == ORPHAN:
+            self._transfer(req)
+
+    def refuse(self, req: SimRequest, reason: str) -> None:
+        if req.state in (DONE, REFUSED, CANCELLED):
+            return
+        req.state, req.refusal = REFUSED if req.first_token_t is None else CANCELLED, reason
+        inst = self.instances.get(req.prefill_inst or "")
+        if isinstance(inst, ColocatedInstance):
+            inst.release_blocks(req)
+        self._settle(req)
+
+    def preempt(self, req: SimRequest) -> None:
+        inst = self.instances.get(req.decode_inst or "")
+        if req.state in (QUEUED, PREFILLING, TRANSFER, DECODE_WAIT) or (inst and inst.preempt(req)):
+            req.state = PREEMPTED
+
+    # ---- physics callbacks ------------------------------------------------------------------
+
+    def start_prefill(self, req: SimRequest, inst: PrefillInstance | ColocatedInstance) -> float:
+        """Prefix lookup for a request starting prefill on `inst`; returns the pool fetch time."""
+        bt = self.spec.hash_block_tokens
+        local = inst.cache.longest_prefix(req.hashes)
+        pool = self.pool.longest_prefix(req.hashes) if self.pool is not None else 0
+        hit = max(local, pool)
+        total = req.prompt_len + req.generated
+        req.pf_cached = min(hit * bt, total - 1)
+        req.num_cached_tokens += req.pf_cached
+        req.pf_total, req.pf_done, req.pf_started = total - req.pf_cached, 0, True
+        req.state = PREFILLING
+        self.router.on_prefill_start(req)
+        return (pool - local) * self.fetch_s_per_block if pool > local else 0.0
+
+    def finish_prefill(self, req: SimRequest, inst: PrefillInstance | ColocatedInstance) -> bool:
+        """Prefill ended: its last logits give the next token. True if the request decodes on
+        `inst` (colocated) from here."""
+        now = self.loop.now
+        inst.cache.insert(req.hashes)
+        if self.pool is not None:
+            self.pool.insert(req.hashes)
+        self._emit(req, now)
+        if req.generated >= req.out_len:
+            self.finish(req)
+            return False
+        if isinstance(inst, ColocatedInstance):
+            return True
+        req.decode_inst = self.router.decode_target(req)
+        self._transfer(req)
+        return False
+
+    def _emit(self, req: SimRequest, now: float) -> None:
+        req.generated += 1
+        if req.first_token_t is None:
+            req.first_token_t = now
+        if req.affected_at is not None and req.resume_t is None:
+            req.resume_t = now
+        self.router.on_token(req)
+
+    def _transfer(self, req: SimRequest) -> None:
+        req.state = TRANSFER
+        net = self.spec.network
+        dt = net.transfer_latency_s + (req.prompt_len + req.generated) * self.kv_bytes / net.link_bytes_per_s
+        self.loop.after(dt, self._delivered, req, req.epoch)
+
+    def _delivered(self, req: SimRequest, epoch: int) -> None:
+        if req.epoch != epoch or req.state != TRANSFER:
+            return
+        prefill = self.instances.get(req.prefill_inst or "")
+        if prefill is not None and prefill.dead:
+            self._lose(req, self.loop.now)  # the sender died mid-transfer: the KV is gone
+            return
+        inst = self.instances[req.decode_inst or ""]
+        if inst.dead:
+            req.state = ORPHAN  # the prefill side still holds the KV; the router must redirect
+            if req.affected_at is None:
+                req.affected_at = self.loop.now
+            return
+        self.router.on_kv_delivered(req)
+        inst.arrive(req)  # type: ignore[union-attr]
+
+    def decode_admitted(self, req: SimRequest, inst: Instance) -> None:
+        self.router.on_decode_admitted(req)
+
+    def first_decode_token(self, req: SimRequest) -> None:
+        if req.affected_at is not None and req.resume_t is None:
+            req.resume_t = self.loop.now
+
+    def finish(self, req: SimRequest) -> None:
+        req.state, req.finish_t = DONE, self.loop.now
+        self.router.on_finish(req)
+        self._settle(req)
+
+    # ---- failures -----------------------------------------------------------------------------
+
+    def _lose(self, req: SimRequest, now: float) -> None:
+        req.state, req.epoch = LOST, req.epoch + 1
+        req.num_losses += 1
+        if req.affected_at is None:
+            req.affected_at = now
+        req.resume_t = None
+
+    def _busiest(self, kind: str) -> str:
+        """The alive instance of `kind` ("p", "d" or "c" prefix) with the most requests on it."""
+        alive = [n for n, i in self.instances.items() if n.startswith(kind) and not i.dead]
+        return max(alive, key=lambda n: (sum(self.instances[n].load()), n))
+
+    def _fail(self, target: str) -> None:
+        name = self._busiest(target) if target in ("p", "d", "c") else target
+        inst = self.instances[name]
+        now = self.loop.now
+        lost = inst.kill()
+        for req in lost:
+            self._lose(req, now)
+        # KV in flight from a dead prefill instance is lost with it.
+        if isinstance(inst, PrefillInstance):
+            for req in self.requests.values():
+                if req.state == TRANSFER and req.prefill_inst == name:
+                    self._lose(req, now)
+                    lost.append(req)
+        self.router.sync_tokens(lost)
+        self.failures.append(FailureRecord(name, now, lost))
+        self.loop.after(self.spec.heartbeat_timeout_s, self.router.on_failure_detected, name)

@@ -1,0 +1,230 @@
+"""Simulated engine instances: prefill-only, decode-only and colocated (chunked prefill).
+
+Mental model: each instance runs one engine step at a time; a step's duration comes from the
+cost model (`hardware.py`) and its effects land when it ends. Queues are heaps ordered by the
+request's `key` (the scheduler's priority for ours, arrival time for the baselines).
+
+Decode is simulated without touching every row every step: a request joining at step s with
+context c0 has context c0 + (j - 1 - s) in step j, so the batch's total context in step j is
+sum(c0 - s - 1) + B * j, kept as one running sum `S`; each request's finishing step is known
+when it joins (`join + tokens left`) and sits in a heap. A step costs O(log n) for the rows that
+finish, not O(batch).
+KV blocks are reserved for prompt + the full output at admission (an oracle for memory, the same
+for every policy, so no policy loses time to preemption on out-of-memory).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from bench.sim.cache import BlockCache
+from bench.sim.hardware import StepCost
+from bench.sim.request import DECODE_WAIT, DECODING, PREFILLING, QUEUED, SimRequest
+from cluster.descriptors import StepSample
+
+if TYPE_CHECKING:
+    from bench.sim.cluster import SimCluster
+
+_seq = itertools.count()
+
+
+class _Decoder:
+    """The decode half shared by decode-only and colocated instances."""
+
+    def __init__(self, block_tokens: int, kv_blocks: int) -> None:
+        self.block_tokens = block_tokens
+        self.kv_blocks = kv_blocks
+        self.used_blocks = 0
+        self.steps_done = 0
+        self.rows: dict[str, SimRequest] = {}
+        self._finish: list[tuple[int, int, SimRequest]] = []
+        self._s = 0  # sum over rows of (c0 - join - 1)
+        self.just_joined: list[SimRequest] = []
+
+    def blocks_for(self, req: SimRequest) -> int:
+        return -(-(req.prompt_len + req.out_len) // self.block_tokens)
+
+    def join(self, req: SimRequest, blocks: int) -> None:
+        req.join_step, req.gen_at_join, req.blocks = self.steps_done, req.generated, blocks
+        req.s_term = req.prompt_len + req.generated - self.steps_done - 1
+        self._s += req.s_term
+        self.used_blocks += blocks
+        self.rows[req.rid] = req
+        req.state = DECODING
+        heapq.heappush(self._finish, (self.steps_done + req.out_len - req.generated, next(_seq), req))
+        self.just_joined.append(req)
+
+    def context_next_step(self) -> int:
+        return self._s + len(self.rows) * (self.steps_done + 1)
+
+    def generated_now(self, req: SimRequest) -> int:
+        return req.gen_at_join + (self.steps_done - req.join_step)
+
+    def leave(self, req: SimRequest) -> None:
+        del self.rows[req.rid]
+        self._s -= req.s_term
+        self.used_blocks -= req.blocks
+
+    def finished_rows(self) -> list[SimRequest]:
+        """Advance one step; rows whose last token came out in it (their count is final)."""
+        self.steps_done += 1
+        out = []
+        heap = self._finish
+        while heap and heap[0][0] <= self.steps_done:
+            _, _, req = heapq.heappop(heap)
+            if self.rows.get(req.rid) is req:
+                self.leave(req)
+                req.generated = req.out_len
+                out.append(req)
+        return out
+
+
+class PrefillInstance:
+    """Prefill-only: steps of up to `token_budget` prompt tokens, highest priority first (a partly
+    prefilled request yields to a more urgent one at chunk boundaries)."""
+
+    def __init__(self, name: str, cost: StepCost, sim: "SimCluster", cache_blocks: int, token_budget: int) -> None:
+        self.name, self.cost, self.sim, self.token_budget = name, cost, sim, token_budget
+        self.cache = BlockCache(cache_blocks, track_deltas=True)
+        self.queue: list[tuple[tuple, int, SimRequest]] = []
+        self.batch: list[tuple[SimRequest, int]] = []
+        self.busy = self.dead = False
+        self.samples: list[StepSample] = []
+
+    def enqueue(self, req: SimRequest) -> None:
+        heapq.heappush(self.queue, (req.key, next(_seq), req))
+        if not self.busy:
+            self._start()
+
+    def _valid(self, req: SimRequest) -> bool:
+        return req.state in (QUEUED, PREFILLING) and req.prefill_inst == self.name
+
+    def _start(self) -> None:
+        budget, batch, tokens, pairs, fetch_s = self.token_budget, [], 0, 0.0, 0.0
+        q = self.queue
+        while q and budget > 0:
+            req = q[0][2]
+            if not self._valid(req):
+                heapq.heappop(q)
+                continue
+            if not req.pf_started:
+                fetch_s += self.sim.start_prefill(req, self)
+            n = min(budget, req.pf_total - req.pf_done)
+            pairs += n * (req.pf_cached + req.pf_done + n / 2.0)
+            batch.append((req, n))
+            tokens += n
+            budget -= n
+            if req.pf_done + n >= req.pf_total:
+                heapq.heappop(q)
+            else:
+                break  # chunked: it stays at the head of the queue for the next step
+        self.batch = batch
+        if not batch:
+            self.busy = False
+            return
+        self.busy = True
+        compute = self.cost.step_s(tokens, pairs, 0, 0)
+        self.sim.loop.after(compute + fetch_s, self._end, StepSample(tokens, pairs, 0, 0, compute))
+
+    def _end(self, sample: StepSample) -> None:
+        if self.dead:
+            return
+        self.samples.append(sample)
+        batch, self.batch = self.batch, []
+        for req, n in batch:
+            if not self._valid(req):
+                continue
+            req.pf_done += n
+            if req.pf_done >= req.pf_total:
+                self.sim.finish_prefill(req, self)
+        self._start()
+
+    def kill(self) -> list[SimRequest]:
+        self.dead = True
+        lost = [r for _, _, r in self.queue if self._valid(r)]
+        lost += [r for r, _ in self.batch if self._valid(r) and r not in lost]
+        self.queue, self.batch = [], []
+        return lost
+
+    def load(self) -> tuple[int, int]:
+        return len(self.batch), len(self.queue)
+
+
+class DecodeInstance:
+    """Decode-only: a continuous batch admitted in key order, capped by `cap()` rows and by KV."""
+
+    def __init__(self, name: str, cost: StepCost, sim: "SimCluster", kv_blocks: int, block_tokens: int,
+                 cap: Callable[[], int]) -> None:
+        self.name, self.cost, self.sim, self.cap = name, cost, sim, cap
+        self.dec = _Decoder(block_tokens, kv_blocks)
+        self.waiting: list[tuple[tuple, int, SimRequest]] = []
+        self.busy = self.dead = False
+        self.samples: list[StepSample] = []
+
+    def arrive(self, req: SimRequest) -> None:
+        req.state = DECODE_WAIT
+        heapq.heappush(self.waiting, (req.key, next(_seq), req))
+        if not self.busy:
+            self._admit()
+            self._start()
+
+    def _admit(self) -> None:
+        w, dec = self.waiting, self.dec
+        cap = None
+        while w:
+            req = w[0][2]
+            if req.state != DECODE_WAIT or req.decode_inst != self.name:
+                heapq.heappop(w)
+                continue
+            cap = self.cap() if cap is None else cap
+            blocks = dec.blocks_for(req)
+            if len(dec.rows) >= cap or dec.used_blocks + blocks > dec.kv_blocks:
+                break
+            heapq.heappop(w)
+            dec.join(req, blocks)
+            self.sim.decode_admitted(req, self)
+
+    def _start(self) -> None:
+        dec = self.dec
+        if not dec.rows:
+            self.busy = False
+            return
+        self.busy = True
+        rows, ctx = len(dec.rows), dec.context_next_step()
+        dt = self.cost.step_s(0, 0.0, rows, ctx)
+        self.sim.loop.after(dt, self._end, StepSample(0, 0.0, rows, ctx, dt))
+
+    def _end(self, sample: StepSample) -> None:
+        if self.dead:
+            return
+        self.samples.append(sample)
+        joined, self.dec.just_joined = self.dec.just_joined, []
+        for req in joined:
+            self.sim.first_decode_token(req)
+        for req in self.dec.finished_rows():
+            self.sim.finish(req)
+        self._admit()
+        self._start()
+
+    def preempt(self, req: SimRequest) -> bool:
+        if self.dec.rows.get(req.rid) is not req:
+            return False
+        req.generated = self.dec.generated_now(req)
+        self.dec.leave(req)
+        return True
+
+    def kill(self) -> list[SimRequest]:
+        self.dead = True
+        lost = []
+        for req in list(self.dec.rows.values()):
+            req.generated = self.dec.generated_now(req)
+            lost.append(req)
+        lost += [r for _, _, r in self.waiting if r.state == DECODE_WAIT and r.decode_inst == self.name]
+        self.waiting = []
+        return lost
+
+    def load(self) -> tuple[int, int]:
+        return len(self.dec.rows), len(self.waiting)
