@@ -208,44 +208,58 @@ def codec_figures(num_blocks: int) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------- quality
 def quality(num_prompts: int, num_tokens: int, dtype: str) -> list[dict[str, Any]]:
+    """All prompts and variants decode as one batch (a forward per step), so the weights are read
+    once per step for every sequence."""
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
+    from actors.engine.fetch import resolve_model
     from actors.engine.model_runner import SeqChunk
+    from actors.engine.tokenizer import Tokenizer
 
     bs = 16
-    engine = Engine.from_pretrained("smollm2", EngineConfig(block_size=bs, num_blocks=160, dtype=dtype))
+    # `none` is the control: bit-exact KV in other blocks and batch rows shows the noise floor
+    variants = ["ref"] + [f"{c}-{mode}" for c in ("none", "int8", "fp8") for mode in ("forced", "free")]
+    prompts = PROMPTS[:num_prompts]
+    path = resolve_model("smollm2")
+    ids = [Tokenizer.load(path).encode(p) for p in prompts]
+    n_blocks = -(-(max(map(len, ids)) + num_tokens) // bs)
+    engine = Engine.from_pretrained(
+        path, EngineConfig(block_size=bs, num_blocks=n_blocks * len(variants) * len(prompts), dtype=dtype))
     cfg, runner = engine.model_config, engine.runner
     layout = KVLayout(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs)
-    variants = ["ref"] + [f"{c}-{mode}" for c in ("int8", "fp8") for mode in ("forced", "free")]
-    agree = {v: 0 for v in variants[1:]}
-    max_diff = {v: 0.0 for v in variants[1:]}
-    for p, prompt in enumerate(PROMPTS[:num_prompts]):
-        ids = engine.tokenizer.encode(prompt)
-        n_blocks = -(-(len(ids) + num_tokens) // bs)
-        blocks = {v: list(range(i * n_blocks, (i + 1) * n_blocks)) for i, v in enumerate(variants)}
-        with torch.inference_mode():
-            first = int(runner.execute([SeqChunk(ids, 0, blocks["ref"], True)])[0].argmax())
-            kv_blocks = -(-len(ids) // bs)
-            kv = runner.read_blocks(blocks["ref"][:kv_blocks])
-            for v in variants[1:]:  # the decode side: KV through the codec into its own blocks
-                shipped = decode(encode(kv, layout, compression=v.split("-")[0], num_shards=4), layout)
-                runner.write_blocks(blocks[v][:kv_blocks], shipped)
-            tokens = {v: [first] for v in variants}
-            for step in range(num_tokens):
-                pos = len(ids) + step
-                feed = {v: tokens["ref" if v.endswith("forced") else v][-1] for v in variants}
-                logits = runner.execute([SeqChunk([feed[v]], pos, blocks[v], True) for v in variants])
-                for i, v in enumerate(variants):
-                    tokens[v].append(int(logits[i].argmax()))
-                for i, v in enumerate(variants[1:], start=1):
-                    if v.endswith("forced"):
-                        max_diff[v] = max(max_diff[v], float((logits[i] - logits[0]).abs().max()))
-        for v in variants[1:]:
-            agree[v] += sum(a == b for a, b in zip(tokens[v][1:], tokens["ref"][1:]))
-        log(f"quality: prompt {p + 1}/{num_prompts}")
-    total = num_prompts * num_tokens
-    return [{"codec": v, "token_agreement": agree[v] / total,
-             "max_logit_diff": max_diff[v] if v.endswith("forced") else None} for v in variants[1:]]
+    seqs = [(p, v) for p in range(len(prompts)) for v in variants]
+    blocks = {sv: list(range(i * n_blocks, (i + 1) * n_blocks)) for i, sv in enumerate(seqs)}
+    tokens: dict[tuple[int, str], list[int]] = {}
+    with torch.inference_mode():
+        first = runner.execute([SeqChunk(ids[p], 0, blocks[(p, "ref")], True) for p in range(len(prompts))])
+        for p in range(len(prompts)):
+            kv_blocks = -(-len(ids[p]) // bs)
+            kv = runner.read_blocks(blocks[(p, "ref")][:kv_blocks])
+            for v in variants:  # the decode side: KV through the codec into its own blocks
+                tokens[(p, v)] = [int(first[p].argmax())]
+                if v != "ref":
+                    shipped = decode(encode(kv, layout, compression=v.split("-")[0], num_shards=4), layout)
+                    runner.write_blocks(blocks[(p, v)][:kv_blocks], shipped)
+        max_diff = {v: 0.0 for v in variants[1:]}
+        for step in range(num_tokens):
+            chunks = [SeqChunk([tokens[(p, "ref" if v.endswith("forced") else v)][-1]], len(ids[p]) + step,
+                               blocks[(p, v)], True) for p, v in seqs]
+            logits = runner.execute(chunks)
+            for i, (p, v) in enumerate(seqs):
+                tokens[(p, v)].append(int(logits[i].argmax()))
+                if v.endswith("forced"):
+                    ref_row = seqs.index((p, "ref"))
+                    max_diff[v] = max(max_diff[v], float((logits[i] - logits[ref_row]).abs().max()))
+            if step % 16 == 15:
+                log(f"quality: {step + 1}/{num_tokens} tokens")
+    total = len(prompts) * num_tokens
+    rows = []
+    for v in variants[1:]:
+        same = [[a == b for a, b in zip(tokens[(p, v)][1:], tokens[(p, "ref")][1:])] for p in range(len(prompts))]
+        rows.append({"codec": v, "token_agreement": sum(map(sum, same)) / total,
+                     "prompts_identical": sum(map(all, same)),
+                     "max_logit_diff": max_diff[v] if v.endswith("forced") else None})
+    return rows
 
 
 # ---------------------------------------------------------------------------------- main
@@ -253,6 +267,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     ap.add_argument("--sizes-mib", default="1,16,256")
+    ap.add_argument("--parts", default="transport,codec,quality", help="which tables to produce")
     ap.add_argument("--no-ray", action="store_true", help="skip the object-store row (no Ray start)")
     ap.add_argument("--codec-blocks", type=int, default=128, help="KV blocks in the codec figures")
     ap.add_argument("--prompts", type=int, default=20)
@@ -260,43 +275,45 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="engine dtype for the quality figures")
     args = ap.parse_args()
     sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
-    figures: dict[str, Any] = {"sizes_mib": [s // MIB for s in sizes], "gbps": {}}
-    log("memcpy and shared-memory limits")
-    figures["gbps"]["memcpy (1 process)"] = memcpy(sizes)
-    figures["gbps"]["shm round trip"] = two_process("shm", sizes)
-    if nixl_available():
-        log("nixl")
-        figures["gbps"]["nixl"] = two_process("nixl", sizes)
-    if not args.no_ray:
-        log("ray object store (starting a local cluster)")
-        figures["gbps"]["object_store"] = object_store(sizes)
-    log("codecs")
-    figures["codec"] = codec_figures(args.codec_blocks)
-    if args.prompts > 0:
+    parts = set(args.parts.split(","))
+    figures: dict[str, Any] = {"sizes_mib": [s // MIB for s in sizes]}
+    if "transport" in parts:
+        log("memcpy and shared-memory limits")
+        gbps = {"memcpy (1 process)": memcpy(sizes), "shm round trip": two_process("shm", sizes)}
+        if nixl_available():
+            log("nixl")
+            gbps["nixl"] = two_process("nixl", sizes)
+        if not args.no_ray:
+            log("ray object store (starting a local cluster)")
+            gbps["object_store"] = object_store(sizes)
+        figures["gbps"] = {k: {str(s // MIB): v for s, v in row.items()} for k, row in gbps.items()}
+        if "nixl" in gbps:
+            figures["nixl_vs_shm"] = {str(s // MIB): gbps["nixl"][s] / gbps["shm round trip"][s] for s in sizes}
+    if "codec" in parts:
+        log("codecs")
+        figures["codec"] = codec_figures(args.codec_blocks)
+    if "quality" in parts and args.prompts > 0:
         log("quality on SmolLM2")
         figures["quality"] = quality(args.prompts, args.tokens, args.dtype)
-    shm = figures["gbps"]["shm round trip"]
-    if "nixl" in figures["gbps"]:
-        figures["nixl_vs_shm"] = {s: figures["gbps"]["nixl"][s] / shm[s] for s in sizes}
-    figures["gbps"] = {k: {str(s // MIB): v for s, v in row.items()} for k, row in figures["gbps"].items()}
-    if "nixl_vs_shm" in figures:
-        figures["nixl_vs_shm"] = {str(s // MIB): v for s, v in figures["nixl_vs_shm"].items()}
     if args.json:
         print(json.dumps(figures, indent=2))
         return
-    head = [f"{s} MiB" for s in figures["sizes_mib"]]
-    rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
-    if "nixl_vs_shm" in figures:
-        rows.append(["nixl / shm", *figures["nixl_vs_shm"].values()])
-    print(table("Transport round trip, GB/s (median)", ["path", *head], rows), end="\n\n")
-    keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
-    codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
-    print(table("Codec on SmolLM2-shaped bf16 KV, 4 shards", keys, codec_rows), end="\n\n")
+    if "gbps" in figures:
+        head = [f"{s} MiB" for s in figures["sizes_mib"]]
+        rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
+        if "nixl_vs_shm" in figures:
+            rows.append(["nixl / shm", *figures["nixl_vs_shm"].values()])
+        print(table("Transport round trip, GB/s (median)", ["path", *head], rows), end="\n\n")
+    if "codec" in figures:
+        keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
+        codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
+        print(table("Codec on SmolLM2-shaped bf16 KV, 4 shards", keys, codec_rows), end="\n\n")
     if "quality" in figures:
-        rows = [[r["codec"], r["token_agreement"], "-" if r["max_logit_diff"] is None else r["max_logit_diff"]]
-                for r in figures["quality"]]
-        title = f"Quality vs uncompressed KV: SmolLM2, {args.prompts} prompts x {args.tokens} greedy tokens"
-        print(table(title, ["codec", "token_agreement", "max_logit_diff"], rows))
+        rows = [[r["codec"], r["token_agreement"], f"{r['prompts_identical']}/{args.prompts}",
+                 "-" if r["max_logit_diff"] is None else r["max_logit_diff"]] for r in figures["quality"]]
+        title = (f"Quality vs uncompressed KV: SmolLM2 ({args.dtype}), {args.prompts} prompts x {args.tokens} greedy"
+                 " tokens; forced = fed the reference's tokens, free = its own")
+        print(table(title, ["codec", "token_agreement", "prompts_identical", "max_logit_diff"], rows))
 
 
 if __name__ == "__main__":

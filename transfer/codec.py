@@ -9,7 +9,8 @@ crc32). The receiver `decode_shard`s each one as it lands and writes it at once 
 Nothing is pickled: a shard is a header and raw little-endian tensor bytes.
 
 Compression and its documented error (x is the original value, x̂ what `decode_shard` returns; the
-quantizers are kernels/quant.py's, whose bounds these restate; `error_bound` computes them):
+quantizers are kernels/'s, run on the KV's device, and these restate kernels/quant.py's bounds;
+`error_bound` computes them):
 - `none`: bit-exact.
 - `int8`: one float32 scale s = amax/127 per (layer, k|v, token, head) row of head_dim values:
   |x - x̂| <= s * (1/2 + 2^-15). Bytes: head_dim + 4 per row, 0.53x of bf16 at head_dim 64.
@@ -24,11 +25,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kernels import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 from transfer import header
 from transfer.header import ShardHeader
 from transfer.transport import Buffer, CorruptShard, IncompatiblePeer, as_bytes_view
@@ -94,28 +96,21 @@ def layer_groups(num_layers: int, num_shards: int) -> list[range]:
     return groups
 
 
-def _kernel(name: str) -> Callable[..., object]:
-    # kernels/ exports a device dispatcher per quantizer once it lands; until then its torch
-    # reference is the CPU path (and the ground truth), so the codec never carries its own copy.
-    import kernels
-    import kernels.quant
-
-    return getattr(kernels, name, None) or getattr(kernels.quant, f"{name}_ref")
-
-
+# The quantizers run where the KV is (kernels/ dispatches: triton on CUDA, torch reference on CPU),
+# so on a GPU only the compressed bytes cross PCIe.
 def _quantize(x: torch.Tensor, c: Compression) -> tuple[torch.Tensor, torch.Tensor]:
     if c is Compression.INT8:
-        return _kernel("quantize_int8")(x)  # q like x, scale [..., num_kv_heads]
+        return quantize_int8(x)  # q like x, scale [..., num_kv_heads]
     nl, two, n = x.shape[:3]
-    q, scale = _kernel("quantize_fp8")(x.reshape(nl * two * n, *x.shape[3:]))  # one scale per block
+    q, scale = quantize_fp8(x.reshape(nl * two * n, *x.shape[3:]))  # one scale per block
     return q.reshape(x.shape), scale
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, c: Compression, dtype: torch.dtype) -> torch.Tensor:
     if c is Compression.INT8:
-        return _kernel("dequantize_int8")(q, scale, dtype)
+        return dequantize_int8(q, scale, dtype)
     nl, two, n = q.shape[:3]
-    return _kernel("dequantize_fp8")(q.reshape(nl * two * n, *q.shape[3:]), scale, dtype).reshape(q.shape)
+    return dequantize_fp8(q.reshape(nl * two * n, *q.shape[3:]), scale, dtype).reshape(q.shape)
 
 
 def _padded(n: int) -> int:
@@ -145,15 +140,15 @@ def encode(
     hashes = tuple(int(h) for h in block_hashes) or (0,) * n
     if len(hashes) != n:
         raise ValueError(f"{len(hashes)} block hashes for {n} blocks")
-    kv = kv.detach().cpu()
+    kv = kv.detach()
     shards = []
     for i, layers in enumerate(layer_groups(L, num_shards)):
         part = kv[layers.start : layers.stop]
         if c is Compression.NONE:
-            pieces = [_bytes_of(part)]
+            pieces = [_bytes_of(part.cpu())]
         else:
             q, scale = _quantize(part, c)
-            pieces = [_bytes_of(q), _bytes_of(scale.float())]
+            pieces = [_bytes_of(q.cpu()), _bytes_of(scale.float().cpu())]
         sizes = [_padded(p.numel()) for p in pieces[:-1]] + [pieces[-1].numel()]
         h = ShardHeader(
             layout_id=layout.layout_id, transfer_id=transfer_id, raw_bytes=part.numel() * part.element_size(),
@@ -184,9 +179,10 @@ def _view(shard: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, 
     return raw.view(dtype).reshape(shape)
 
 
-def decode_shard(shard: Buffer, layout: KVLayout) -> DecodedShard:
-    """Validates one shard against `layout` and returns its KV in the sender's dtype. With `none`
-    the tensor is a view into `shard` (write it into the pool before reusing the buffer)."""
+def decode_shard(shard: Buffer, layout: KVLayout, device: torch.device | str | None = None) -> DecodedShard:
+    """Validates one shard against `layout` and returns its KV in the sender's dtype, on `device`
+    (dequantized there; default CPU). On CPU with `none` the tensor is a view into `shard`: write
+    it into the pool before releasing the buffer."""
     view = as_bytes_view(shard)
     h = header.unpack(view)
     if h.layout_id != layout.layout_id:
@@ -205,17 +201,20 @@ def decode_shard(shard: Buffer, layout: KVLayout) -> DecodedShard:
         raise CorruptShard(f"payload of {h.payload_bytes} bytes, expected {expect} for {shape} {c.name}")
     at = h.header_len
     if c is Compression.NONE:
-        return DecodedShard(h, _view(view, at, dtype, shape))
+        kv = _view(view, at, dtype, shape)
+        return DecodedShard(h, kv if device is None else kv.to(device))
     qdtype = torch.int8 if c is Compression.INT8 else torch.float8_e4m3fn
     q = _view(view, at, qdtype, shape)
     scale_shape = shape[:-1] if c is Compression.INT8 else (shape[0] * 2 * h.num_blocks,)
     scale = _view(view, at + _padded(rows * h.head_dim), torch.float32, scale_shape)
+    if device is not None:
+        q, scale = q.to(device), scale.to(device)
     return DecodedShard(h, _dequantize(q, scale, c, dtype))
 
 
-def decode(shards: Sequence[Buffer], layout: KVLayout) -> torch.Tensor:
+def decode(shards: Sequence[Buffer], layout: KVLayout, device: torch.device | str | None = None) -> torch.Tensor:
     """All shards of one transfer back into the full [num_layers, 2, n, bs, Hkv, D] tensor."""
-    parts = sorted((decode_shard(s, layout) for s in shards), key=lambda d: d.header.layer_start)
+    parts = sorted((decode_shard(s, layout, device) for s in shards), key=lambda d: d.header.layer_start)
     if not parts:
         raise ValueError("no shards to decode")
     first = parts[0].header

@@ -25,8 +25,8 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class TransferConfig:
     kind: TransportKind = "auto"
-    send_staging_bytes: int = 256 * MIB  # NIXL only: registered memory shards are sent from
-    recv_staging_bytes: int = 256 * MIB  # room for arrived, unreleased shards (every transport)
+    send_staging_bytes: int = 128 * MIB  # NIXL only: registered memory shards are sent from
+    recv_staging_bytes: int = 128 * MIB  # room for arrived, unreleased shards (every transport)
     probe_interval_s: float = 0.05  # NIXL only: liveness probe of a peer a send waits on
     grant_ttl_s: float = 60.0  # NIXL only: room granted to a sender that never writes is reclaimed
     ucx_net_devices: str | None = "lo"  # NIXL only: "lo" binds 127.0.0.1 only; a cluster names its NICs

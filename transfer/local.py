@@ -38,7 +38,7 @@ MIB = 1 << 20
 class LocalTransport:
     kind = "local"
 
-    def __init__(self, name: str, recv_bytes: int = 256 * MIB) -> None:
+    def __init__(self, name: str, recv_bytes: int = 128 * MIB) -> None:
         self.name = name
         self._incarnation = int.from_bytes(os.urandom(8), "little")
         self._cond = threading.Condition()

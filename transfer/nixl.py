@@ -63,8 +63,8 @@ def nixl_available() -> bool:
 
 @dataclass(frozen=True)
 class NixlConfig:
-    send_staging_bytes: int = 256 * MIB
-    recv_staging_bytes: int = 256 * MIB  # also the largest shard a peer may send us
+    send_staging_bytes: int = 128 * MIB  # no shard may be larger; a send may (it is pipelined)
+    recv_staging_bytes: int = 128 * MIB  # also the largest shard a peer may send us
     probe_interval_s: float = 0.05
     grant_ttl_s: float = 60.0  # room granted to a sender that never writes is reclaimed after this
     call_timeout_s: float = 10.0  # bound on waiting for the worker thread (add_peer, stats, ...)
@@ -102,7 +102,11 @@ class NixlTransport:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._thread.start()
-        self.register_buffers(self.cfg.send_staging_bytes, self.cfg.recv_staging_bytes)
+        try:
+            self.register_buffers(self.cfg.send_staging_bytes, self.cfg.recv_staging_bytes)
+        except BaseException:
+            self.close()  # no worker thread or agent outlives a failed constructor
+            raise
 
     # ------------------------------------------------------------------ public API (any thread)
     def register_buffers(self, send_bytes: int, recv_bytes: int) -> None:
@@ -117,7 +121,7 @@ class NixlTransport:
         return env.name
 
     def remove_peer(self, peer: str) -> None:
-        self._call(self._ep.drop_peer, peer, "removed by the caller")
+        self._call(self._ep.drop_peer, peer, "removed by the caller", True)
 
     def send(self, peer: str, shards: Sequence[Buffer], *, tag: int = 0, timeout_s: float) -> SendStats:
         t0 = time.monotonic()

@@ -49,7 +49,8 @@ class NixlEndpoint:
 
     # ------------------------------------------------------------------ setup and peers
     def register(self, send_bytes: int, recv_bytes: int) -> None:
-        if self.sends or self.grants or self.pending or not self.inbox.empty():
+        busy = self.recv_arena is not None and self.recv_arena.in_use_bytes > 0  # unreleased deliveries
+        if busy or self.sends or self.grants or self.pending or not self.inbox.empty():
             raise RuntimeError("register_buffers needs an idle transport")
         self.deregister()
         self.send_arena, self.recv_arena = StagingArena(send_bytes), StagingArena(recv_bytes)
@@ -83,9 +84,9 @@ class NixlEndpoint:
                 self.drop_peer(env.name, f"HELLO failed: {e}")
                 raise PeerGone(f"{env.name} did not answer: {e}") from e
 
-    def drop_peer(self, name: str, why: str) -> None:
+    def drop_peer(self, name: str, why: str, expected: bool = False) -> None:
         if name in self.peers:
-            logger.warning("%s: dropping peer %s: %s", self.name, name, why)
+            logger.log(logging.INFO if expected else logging.WARNING, "%s: dropping peer %s: %s", self.name, name, why)
         for op in [op for op in self.sends.values() if op.peer == name]:
             op.finish(PeerGone(f"{name}: {why}"))
             self.cleanup(op)
@@ -212,6 +213,8 @@ class NixlEndpoint:
                 self.drop_peer(op.peer, f"CANCEL failed: {e}")
 
     def release_zombies(self) -> None:
+        if not self.zombies:
+            return
         assert self.send_arena is not None
         keep = []
         for handles, offset in self.zombies:

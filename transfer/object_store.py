@@ -80,7 +80,7 @@ class Mailbox:
 class ObjectStoreTransport:
     kind = "object_store"
 
-    def __init__(self, name: str, recv_bytes: int = 256 * MIB) -> None:
+    def __init__(self, name: str, recv_bytes: int = 128 * MIB) -> None:
         if not ray.is_initialized():
             raise RuntimeError("the object_store transport needs a running Ray (ray.init) in this process")
         self.name = name

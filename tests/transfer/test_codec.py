@@ -163,3 +163,12 @@ def test_receiver_writes_each_shard_as_it_decodes() -> None:
         pool[d.layers.start : d.layers.stop][:, :, targets] = d.kv
     assert torch.equal(pool[:, :, targets], kv)
     assert pool[:, :, [0, 2, 3, 4]].abs().sum() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compression", ["none", "int8", "fp8"])
+def test_cuda_kv_quantizes_on_device_and_decodes_to_device(compression: str) -> None:
+    kv = make_kv(num_blocks=4, dtype=torch.bfloat16).cuda()
+    out = decode(encode(kv, LAYOUT, compression=compression, num_shards=2), LAYOUT, device="cuda")
+    assert out.device.type == "cuda" and out.dtype == kv.dtype
+    assert bool(((out.float() - kv.float()).abs() <= error_bound(kv, compression)).all())
