@@ -107,7 +107,8 @@ class PrefillWorker:
         # 0 when the engine has no free block to put them in: they are then simply recomputed
         return num_local, self.engine.locked(self._engine.import_cached_blocks, got, kv)
 
-    def _ship(self, req: GenerationRequest, hashes: list[BlockHash], decode_peer: str) -> tuple[torch.Tensor, SendStats]:
+    def _ship(self, req: GenerationRequest, hashes: list[BlockHash],
+              decode_peer: str) -> tuple[torch.Tensor, SendStats]:
         n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)
         kv = self.engine.locked(self._read_held, req.request_id, n)  # [L, 2, n, bs, Hkv, D], a copy
         tag = transfer_tag(req.request_id)

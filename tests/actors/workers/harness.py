@@ -67,7 +67,8 @@ class LocalCluster:
     peer: str = ""
 
     @classmethod
-    async def start(cls, cfg: WorkerConfig, num_prefill: int = 1, pool: PrefixCachePool | None = None) -> "LocalCluster":
+    async def start(cls, cfg: WorkerConfig, num_prefill: int = 1,
+                    pool: PrefixCachePool | None = None) -> "LocalCluster":
         tag = uuid.uuid4().hex[:6]
         cluster = cls(cfg)
         engine = Engine.from_pretrained(cfg.model, cfg.engine)
@@ -75,8 +76,8 @@ class LocalCluster:
                                       kv_layout(engine))
         for i in range(num_prefill):
             engine = Engine.from_pretrained(cfg.model, cfg.engine)
-            cluster.prefills.append(PrefillWorker(cfg, AsyncEngine(engine), make_transport(f"p{i}-{tag}", cfg.transfer),
-                                                  kv_layout(engine), pool))
+            transport = make_transport(f"p{i}-{tag}", cfg.transfer)
+            cluster.prefills.append(PrefillWorker(cfg, AsyncEngine(engine), transport, kv_layout(engine), pool))
         for p in cluster.prefills:
             cluster.peer = await p.add_peer(cluster.decode.transport_metadata())
         return cluster
