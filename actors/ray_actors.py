@@ -54,8 +54,7 @@ def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
 
 
 def _open_transport(cfg: WorkerConfig, name: str) -> KVTransport:
-    if cfg.ucx_net_devices is not None:
-        # UCX reads this when NIXL's agent starts; without it UCX also listens on every interface.
+    if cfg.ucx_net_devices is not None:  # see WorkerConfig: UCX reads it when NIXL's agent starts
         os.environ.setdefault("UCX_NET_DEVICES", cfg.ucx_net_devices)
     return make_transport(name, cfg.transfer)
 

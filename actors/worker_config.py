@@ -30,9 +30,9 @@ class WorkerConfig:
     recv_poll_s: float = 0.05  # decode: receiver wake-up period (also the lease check period)
     pool_timeout_s: float = 2.0  # prefill: one pool fan-out; a slower store is a miss
     max_pending_offers: int = 64  # prefill: background pool offers beyond this are dropped
-    # Network devices UCX may use (NIXL). "lo" keeps every listener on 127.0.0.1, as the embedded
-    # default must; None leaves UCX's default (every device: what a GPU cluster with RDMA wants).
-    ucx_net_devices: str | None = "lo"
+    # Deprecated twin of `transfer.ucx_net_devices` (the transport's own setting, "lo" by default),
+    # kept while deploy/config.py still passes it; when set it is applied first and so wins.
+    ucx_net_devices: str | None = None
 
     def __post_init__(self) -> None:
         Compression.parse(self.compression)
