@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 
 from cluster.cost_model import StepTimeModel
 from cluster.descriptors import SloClass
+from cluster.journal import JournalEntry
 
 K = TypeVar("K", bound=Hashable)
 
@@ -58,6 +59,16 @@ def urgency_key_s(slo_class: SloClass, deadline_s: float, predicted_service_s: f
     if slo_class is SloClass.INTERACTIVE:
         return deadline_s
     return latest_start_s(deadline_s, predicted_service_s)
+
+
+def new_request_urgency_s(entry: JournalEntry, prefill_s: float, decode_s: float) -> float:
+    """Urgency of a newly admitted request: its TTFT deadline (interactive) or its completion
+    deadline minus predicted prefill and decode time (batch)."""
+    if entry.slo_class is SloClass.INTERACTIVE:
+        assert entry.ttft_deadline_s is not None
+        return urgency_key_s(entry.slo_class, entry.ttft_deadline_s, prefill_s)
+    assert entry.completion_deadline_s is not None
+    return urgency_key_s(entry.slo_class, entry.completion_deadline_s, prefill_s + decode_s)
 
 
 def priority_key(slo_class: SloClass, urgency_s: float, fair_lead_s: float, seq: int) -> PriorityKey:

@@ -1,4 +1,4 @@
-"""Recovery: re-placing the requests of a dead worker, and resuming preempted batch work.
+"""Recovery and housekeeping: dead workers' requests, preempted batch work, queue timeouts.
 
 Mental model: a worker's death (an actor error reported by the data plane, or missed heartbeats
 noticed by `GlobalScheduler.poll`) loses the KV it held. The journal lists the requests touched,
@@ -9,6 +9,8 @@ left of its budget. Those whose KV died are recomputed from prompt + streamed to
 (`RECOMPUTE`, resuming at RNG position = tokens streamed); those that only lost their future
 decode worker keep their prefill worker (`REDIRECT`). Preempted batch requests wait in a queue
 by urgency and are resumed, most urgent first, as soon as a decode worker has a free row.
+Requests still queued past their tenant's queue timeout are cancelled with a refusal, so nothing
+waits forever (`expire_queued`; timers are a heap with lazy deletion of stale entries).
 
 These are functions over the scheduler's parts rather than methods, to keep `scheduler.py` about
 sequencing; they touch nothing the scheduler does not own.
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cluster.admission import Refusal
-from cluster.descriptors import WorkerName
+import heapq
+
+from cluster.admission import Refusal, RefusalReason
+from cluster.descriptors import RequestId, WorkerName
 from cluster.journal import JournalEntry, Phase, needs_prefill
+from cluster.ordering import priority_key
 from cluster.placement import Placement, PlacementKind
 from cluster.timeline import Stage
 
@@ -100,3 +105,34 @@ def resume_preempted(sched: "GlobalScheduler", now: float) -> list[Placement]:
             sched._count_refusal(placed)
             sched._leave(entry.request_id, now, None, completed=False, stage=Stage.REFUSED)
     return resumed
+
+
+def preempt(sched: "GlobalScheduler", rid: RequestId, now: float) -> None:
+    """Evict a running batch row: release its accounts, queue it for resumption by urgency."""
+    entry = sched.journal.get(rid)
+    if entry is None:
+        return
+    sched.ledger.close(rid)
+    sched.journal.move(rid, None, None, Phase.PREEMPTED)
+    sched._preempted.push(rid, priority_key(entry.slo_class, now + entry.remaining_budget_s(now), 0.0,
+                                            next(sched._seq)))
+    sched.timelines.stamp(rid, Stage.PREEMPTED, now)
+    sched.counters.num_preempted += 1
+
+
+def expire_queued(sched: "GlobalScheduler", now: float) -> list[Refusal]:
+    """Cancel requests whose prefill has not started by their queue deadline."""
+    expired: list[Refusal] = []
+    timers = sched._expiry
+    while timers and timers[0][0] <= now:
+        deadline, _, rid = heapq.heappop(timers)
+        entry, b = sched.journal.get(rid), sched.ledger.get(rid)
+        if entry is None or b is None or entry.phase is not Phase.QUEUED or b.queue_deadline_s != deadline:
+            continue  # started, finished or re-placed since: a stale timer
+        refusal = Refusal(rid, RefusalReason.QUEUE_TIMEOUT, None,
+                          f"not started within {deadline - entry.desc.arrival_time:.1f} s")
+        sched._count_refusal(refusal)
+        sched.counters.num_expired += 1
+        sched._leave(rid, now, None, completed=False, stage=Stage.REFUSED)
+        expired.append(refusal)
+    return expired

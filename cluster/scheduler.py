@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,10 +30,10 @@ from cluster.bookings import Booking, Ledger
 from cluster.clock import Clock
 from cluster.config import SchedulerConfig
 from cluster.cost_model import CostModelBank
-from cluster.descriptors import RequestDesc, RequestId, SloClass, WorkerLoad, WorkerName
+from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName
 from cluster.fairness import FairShareClock
 from cluster.journal import Journal, JournalEntry, Phase
-from cluster.ordering import SlackQueue, priority_key, urgency_key_s
+from cluster.ordering import SlackQueue, new_request_urgency_s, priority_key
 from cluster.placement import Placement, PlacementKind, PlacementPolicy
 from cluster.prefix_index import POOL, PrefixIndex
 from cluster.stats import LatencyWindow, SchedulerStats
@@ -43,13 +42,11 @@ from cluster.timeline import Stage, TimelineStore
 from cluster.workers import WorkerRegistry
 from cluster import recovery, snapshots
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(slots=True)
 class PollResult:
-    """What `poll` decided: requests to cancel, and placements to carry out (recovered after a
-    missed heartbeat, or preempted batch work resumed), in that order of urgency."""
+    """What `poll` decided: requests to cancel, then placements to carry out (recovered after
+    missed heartbeats, preempted batch work resumed), each list most urgent first."""
 
     expired: list[Refusal] = field(default_factory=list)
     recovered: list[Placement | Refusal] = field(default_factory=list)
@@ -78,8 +75,6 @@ class GlobalScheduler:
         self._seq = itertools.count()
         self._expiry: list[tuple[float, int, RequestId]] = []
         self._preempted: SlackQueue[RequestId] = SlackQueue()
-
-    # ---- requests in -------------------------------------------------------------------------
 
     def submit(self, desc: RequestDesc, *, prompt_token_ids: Sequence[int] | None = None,
                sampling: dict[str, Any] | None = None, seed: int | None = None) -> Placement | Refusal:
@@ -133,22 +128,15 @@ class GlobalScheduler:
                 return refusal
         service_s = prefill_choice.fetch_s + prefill_choice.compute_s
         if kind is PlacementKind.NEW:
-            if entry.slo_class is SloClass.INTERACTIVE:
-                assert entry.ttft_deadline_s is not None
-                urgency = urgency_key_s(entry.slo_class, entry.ttft_deadline_s, service_s)
-            else:
-                assert entry.completion_deadline_s is not None
-                urgency = urgency_key_s(entry.slo_class, entry.completion_deadline_s,
-                                        service_s + remaining_out * decode_choice.step_s)
-            lead = 0.0
-            if self.cfg.fairness:
-                lead = self.fairness.tag(desc.tenant, tenant.cfg.weight, num_tokens + expected, now) - now
+            urgency = new_request_urgency_s(entry, service_s, remaining_out * decode_choice.step_s)
+            lead = (self.fairness.tag(desc.tenant, tenant.cfg.weight, num_tokens + expected, now) - now
+                    if self.cfg.fairness else 0.0)
         else:  # recovery and resumption: urgency from the remaining budget, no fairness charge
             urgency, lead = now + entry.remaining_budget_s(now) - service_s, 0.0
         prio = priority_key(entry.slo_class, urgency, lead, next(self._seq))
         victims = tuple(decode_choice.worker.victims.take(decode_choice.num_preempt))
         for victim in victims:
-            self._preempt(victim, now)
+            recovery.preempt(self, victim, now)
         pw, dw = prefill_choice.worker, decode_choice.worker
         phase = Phase.QUEUED if kind is not PlacementKind.REDIRECT else entry.phase
         queue_deadline = now + tenant.cfg.queue_timeout_s
@@ -176,17 +164,6 @@ class GlobalScheduler:
             num_prefix_hit_blocks=prefill_choice.hit_blocks, num_pool_blocks=prefill_choice.pool_blocks,
             preempt=victims)
 
-    def _preempt(self, rid: RequestId, now: float) -> None:
-        entry = self.journal.get(rid)
-        if entry is None:
-            return
-        self.ledger.close(rid)
-        self.journal.move(rid, None, None, Phase.PREEMPTED)
-        self._preempted.push(rid, priority_key(entry.slo_class, now + entry.remaining_budget_s(now),
-                                               0.0, next(self._seq)))
-        self.timelines.stamp(rid, Stage.PREEMPTED, now)
-        self.counters.num_preempted += 1
-
     def _count_refusal(self, r: Refusal) -> None:
         self.counters.num_refused[r.reason.value] = self.counters.num_refused.get(r.reason.value, 0) + 1
 
@@ -194,15 +171,13 @@ class GlobalScheduler:
 
     def on_report(self, load: WorkerLoad) -> None:
         """A worker's load report (also its heartbeat)."""
-        now = self.clock.now()
-        view = self.workers.upsert(load, now)
+        self.workers.upsert(load, self.clock.now())
         if load.steps:
             self.models.get(load.name).observe_all(load.steps)
         if load.cached_full is not None:
             self.index.replace(load.name, load.cached_full)
         self.index.remove(load.name, load.cached_removed)
         self.index.add(load.name, load.cached_added)
-        assert view.name == load.name
 
     def on_pool_report(self, added: Sequence[int] = (), removed: Sequence[int] = (),
                        full: frozenset[int] | None = None) -> None:
@@ -250,6 +225,7 @@ class GlobalScheduler:
             view = self.workers.get(b.prefill) if b is not None and b.prefill_open and b.prefill else None
             if view is not None and b is not None:
                 view.learn_ttft_error(t - b.predicted_first_token_s)
+            self.timelines.stamp(rid, Stage.PREFILL_DONE, t)
             self._prefill_done(entry)
         self.journal.record_tokens(rid, t, tuple(token_ids), count)
         for _ in range(len(token_ids) if token_ids else count):
@@ -274,14 +250,8 @@ class GlobalScheduler:
         if tenant is not None:
             self.admission.release(tenant, n_out, t - entry.desc.arrival_time, t, completed=completed)
         self.fairness.deactivate(entry.desc.tenant)
-        if entry.decode_worker is not None:
-            view = self.workers.get(entry.decode_worker)
-            if view is not None:
-                view.num_finished += 1
         self.timelines.finish(rid, t, stage)
         self.counters.num_finished += completed
-
-    # ---- failures, timeouts, resumption -----------------------------------------------------
 
     def on_worker_dead(self, name: WorkerName) -> list[Placement | Refusal]:
         """Forget a dead worker and re-place every request that lost state with it, most urgent
@@ -297,17 +267,7 @@ class GlobalScheduler:
         self._refresh_reference_rate()
         for name in sorted(self.workers.stale(now, self.cfg.heartbeat_timeout_s)):
             result.recovered.extend(self.on_worker_dead(name))
-        while self._expiry and self._expiry[0][0] <= now:
-            deadline, _, rid = heapq.heappop(self._expiry)
-            entry, b = self.journal.get(rid), self.ledger.get(rid)
-            if entry is None or b is None or entry.phase is not Phase.QUEUED or b.queue_deadline_s != deadline:
-                continue  # started, finished or re-placed since: a stale timer
-            refusal = Refusal(rid, RefusalReason.QUEUE_TIMEOUT, None,
-                              f"not started within {deadline - entry.desc.arrival_time:.1f} s")
-            self._count_refusal(refusal)
-            self.counters.num_expired += 1
-            self._leave(rid, now, None, completed=False, stage=Stage.REFUSED)
-            result.expired.append(refusal)
+        result.expired.extend(recovery.expire_queued(self, now))
         result.resumed.extend(recovery.resume_preempted(self, now))
         return result
 

@@ -51,7 +51,6 @@ class WorkerView:
     active_context_tokens: int = 0
     tpot_targets: MinTracker = field(default_factory=MinTracker)
     victims: VictimQueue[RequestId] = field(default_factory=VictimQueue)
-    num_finished: int = 0
 
     def apply_report(self, load: WorkerLoad, now: float) -> None:
         self.healthy = load.healthy

@@ -17,7 +17,6 @@ from bench.sim.cache import BlockCache
 from bench.sim.hardware import StepCost
 from bench.sim.instances import _Decoder
 from bench.sim.request import PREFILLING, QUEUED, SimRequest
-from cluster.descriptors import StepSample
 
 if TYPE_CHECKING:
     from bench.sim.cluster import SimCluster

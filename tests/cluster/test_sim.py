@@ -93,3 +93,22 @@ def test_goodput_is_the_highest_rate_meeting_ninety_percent() -> None:
     assert _bracket({100.0: 0.5}) == (0.0, 100.0)
     assert _bracket({100.0: 0.95}) is None
     assert goodput({100.0: 0.5}) == 0.0
+
+
+def test_profile_cost_fits_a_measured_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from bench.sim.hardware import ProfileCost
+
+    def truth(p: int, rows: int, ctx: int) -> float:
+        return 0.002 + 4e-5 * p + 1e-9 * p * p / 2 + 3e-4 * rows + 2e-8 * ctx
+
+    entries = [{"prefill_tokens": p, "decode_rows": 0, "context_tokens": 0, "step_s": truth(p, 0, 0)}
+               for p in (32, 128, 512, 1024, 2048)]
+    entries += [{"prefill_tokens": 0, "decode_rows": b, "context_tokens": b * c, "step_s": truth(0, b, b * c)}
+                for b, c in ((1, 64), (8, 512), (32, 128), (64, 1024))]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"entries": entries}))
+    cost = ProfileCost(path, scale=0.5)
+    assert cost.step_s(700, 700 * 350.0, 0, 0) == pytest.approx(0.5 * truth(700, 0, 0), rel=1e-6)
+    assert cost.step_s(0, 0.0, 16, 16 * 300) == pytest.approx(0.5 * truth(0, 16, 16 * 300), rel=1e-6)
