@@ -150,18 +150,26 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
+            try:
+                # The forward pass runs outside the lock, so adds, aborts and KV handoffs wait for
+                # bookkeeping only, never for a whole step.
+                with self._lock:
+                    prepared = self.engine.prepare_step()
+                busy = prepared is not None
                 if busy:
-                    try:
-                        outputs = self.engine.step()
-                    except BaseException as e:  # noqa: BLE001 - fail every stream, not silently
-                        logger.exception("engine step failed")
-                        self._error = e
-                        for loop, queue in self._queues.values():
-                            loop.call_soon_threadsafe(queue.put_nowait, EngineDeadSignal(e))
-                        self._queues.clear()
-                        return
+                    logits = self.engine.runner.execute(prepared.chunks)
+                    with self._lock:
+                        outputs = self.engine.finish_step(prepared, logits)
+            except BaseException as e:  # noqa: BLE001 - fail every stream, not silently
+                logger.exception("engine step failed")
+                with self._lock:
+                    self._error = e
+                    for loop, queue in self._queues.values():
+                        loop.call_soon_threadsafe(queue.put_nowait, EngineDeadSignal(e))
+                    self._queues.clear()
+                return
+            if busy:
+                with self._lock:
                     for out in outputs:
                         target = self._queues.get(out.request_id)
                         if target is None:

@@ -32,10 +32,18 @@ from actors.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_block
 from actors.engine.output import EngineStats, OutputProcessor, RequestOutput
 from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import Sampler, SamplingParams, SamplingState
-from actors.engine.scheduler import Scheduler
+from actors.engine.scheduler import ScheduledBatch, Scheduler
 from actors.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    batch: ScheduledBatch
+    chunks: list[SeqChunk]
+    due: list[Request]  # requests that sample a token from this step's logits
+    started_s: float
 
 
 class Engine:
@@ -59,6 +67,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._reserved: dict[str, Request] = {}  # KV arriving from another engine
         self._held: dict[str, Request] = {}  # finished, KV kept until release_kv
+        self._executing: set[str] = set()  # requests of the step whose forward is running
+        self._aborted: set[str] = set()  # aborts deferred to the end of that step
         self._rng = random.Random(self.cfg.seed)
         self._num_steps = 0
         self._last_step_s = 0.0
@@ -257,6 +267,11 @@ class Engine:
         """Drops a request wherever it is (queued, running, reserved, held) and frees its blocks."""
         if self.cancel_reservation(request_id) or self.release_kv(request_id):
             return None
+        if request_id in self._executing:
+            # Its blocks are being written by the forward pass in flight: freeing them now could
+            # hand them to a reservation whose KV the forward would then overwrite.
+            self._aborted.add(request_id)
+            return None
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -268,10 +283,19 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        prepared = self.prepare_step()
+        if prepared is None:
+            return []
+        return self.finish_step(prepared, self.runner.execute(prepared.chunks))
+
+    def prepare_step(self) -> PreparedStep | None:
+        """Schedules one step. Between this and `finish_step` the forward pass runs, and other
+        engine calls (add, abort, reserve, write KV into reserved blocks) may interleave: the
+        step's blocks stay referenced until `finish_step`, and an abort of one of its requests is
+        deferred to it."""
         batch = self.scheduler.schedule()
         if not batch.requests:
-            return []
-        t0 = time.perf_counter()
+            return None
         chunks = []
         due: list[Request] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -280,25 +304,37 @@ class Engine:
             chunks.append(SeqChunk(req.token_ids[start : start + n], start, self.kv.block_ids(req.request_id), needs_logits))
             if needs_logits:
                 due.append(req)
-        logits = self.runner.execute(chunks)
+        self._executing = {r.request_id for r in batch.requests}
+        return PreparedStep(batch, chunks, due, time.perf_counter())
+
+    def finish_step(self, prepared: PreparedStep, logits: torch.Tensor) -> list[RequestOutput]:
+        batch, due = prepared.batch, prepared.due
+        self._executing = set()
         outputs = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             req.num_forwarded_tokens += n
             self.kv.cache_computed_blocks(req)
-            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+            if req.prefill_only and req.num_computed_tokens == req.num_tokens and req.request_id not in self._aborted:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_PREFILLED, self.outputs.finish))
         self._num_forwarded_tokens += batch.num_tokens
         if due:
             result = self.sampler.sample(logits, [r.sampling for r in due], self.eos_token_ids)
             for req, token_id, lp in zip(due, result.token_ids, result.logprobs):
+                if req.request_id in self._aborted:
+                    continue
                 req.append_token(token_id)
                 out, status = self.outputs.on_token(req, token_id, lp, self._check_stop(req, token_id))
                 if status is not None:
                     self._finish(req, status)
                 outputs.append(out)
+        for request_id in self._aborted:
+            out = self.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        self._aborted = set()
         self._num_steps += 1
-        self._last_step_s = time.perf_counter() - t0
+        self._last_step_s = time.perf_counter() - prepared.started_s
         return outputs
 
     def _finish(self, req: Request, status: RequestStatus, make_output=None):  # type: ignore[no-untyped-def]

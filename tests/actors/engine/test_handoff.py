@@ -142,3 +142,19 @@ def test_prefill_only_then_decode_engine_samples_everything(tiny_llama_dir):
     assert [got[f"r{i}"] for i in range(3)] == [list(w.token_ids) for w in want]
     assert decode.stats().num_forwarded_tokens == 3 * 10  # 1 recomputed prompt token + 9 decodes each
     assert prefill.kv.pool.num_free_blocks == 64
+
+
+def test_abort_during_forward_is_deferred_to_the_end_of_the_step(tiny_llama_dir):
+    engine = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=8))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(5, 65)), params)  # 4 blocks
+    prepared = engine.prepare_step()
+    held = engine.kv.block_ids("a")
+    assert engine.abort("a") is None  # deferred: the forward pass is writing a's blocks
+    # a reservation made meanwhile must not get a's blocks
+    got = engine.reserve("b", list(range(5, 70)), [], params, seed=1, num_kv_tokens=64)
+    assert got is None or not set(got) & set(held)
+    outs = engine.finish_step(prepared, engine.runner.execute(prepared.chunks))
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort")]
+    assert engine.kv.block_ids("a") == [] and not engine.has_unfinished_requests()
+    engine.check_integrity()
