@@ -38,6 +38,16 @@ from actors.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+def _return_freed_memory() -> None:
+    """Hands the freed float32 load buffers back to the OS (glibc keeps them otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass(frozen=True)
 class PreparedStep:
     batch: ScheduledBatch
@@ -81,16 +91,21 @@ class Engine:
         from actors.engine.fetch import resolve_model
         from actors.engine.weights import load_weights
 
+        cfg = cfg or EngineConfig()
         path = resolve_model(str(model))
         t0 = time.perf_counter()
         loaded = load_weights(path)
         tokenizer = Tokenizer.load(path)
+        # Parameters are allocated once, in the serving dtype: a float32 copy beside a bf16 one
+        # would double the load-time peak and, through the allocator, the resident size after.
         with torch.device("meta"):
-            net = CausalLM(loaded.config)
+            net = CausalLM(loaded.config).to(parse_dtype(cfg.dtype))
         net = net.to_empty(device="cpu")
         net.rope.reset_tables()  # derived from the config, not loaded: rebuild off the meta device
         net.load_weights(loaded.tensors)
         net.eval()
+        del loaded
+        _return_freed_memory()
         logger.info("loaded %s in %.1fs", path, time.perf_counter() - t0)
         return cls(net, tokenizer, cfg)
 
