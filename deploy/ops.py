@@ -1,0 +1,216 @@
+"""`ferry status` and `ferry batch submit`: the operator's commands, as functions of parsed args.
+
+Mental model: both are clients of a running ferry. `status` reads `/health` (public, one GET) and
+turns it into a table of workers with their load and KV blocks, plus SLO attainment once the server
+reports it under `slo` ("n/a" until then). Exit codes are for scripts: 0 healthy, 1 answering but
+unhealthy, 2 unreachable. `batch submit` validates the input here, before anything runs, then
+either submits deploy/batch's runner as a Ray job (the default, through the dashboard's job API) or
+runs it in-process (`--local`); both draw the same progress bar and both resume from OUT.
+
+deploy/cli.py wires these in with `add_ops_parsers(sub)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from deploy.batch.format import load_done, read_input
+from deploy.batch.job import JobSpec, connect, default_python, follow, submit
+from deploy.batch.progress import OutputWatcher, ProgressBar
+from deploy.batch.runner import API_KEY_ENV, RunnerConfig, run_batch
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"
+HEALTH_TIMEOUT_S = 10.0
+
+
+class Unreachable(Exception):
+    """Nothing (or nothing speaking ferry's JSON) answers at the URL."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    name: str
+    kind: str
+    healthy: bool | None
+    running: int | None
+    waiting: int | None
+    free_blocks: int | None
+    total_blocks: int | None
+
+    @property
+    def used_blocks(self) -> int | None:
+        if self.free_blocks is None or self.total_blocks is None:
+            return None
+        return self.total_blocks - self.free_blocks
+
+
+def fetch_health(url: str, api_key: str | None, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) of `/health`. A 503 is an answer too: an unhealthy server still says why."""
+    req = urllib.request.Request(url.rstrip("/") + "/health", headers={"Accept": "application/json"})
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (urllib.error.URLError, OSError) as e:  # refused, no route, DNS, timeout
+        raise Unreachable(str(getattr(e, "reason", e))) from e
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Unreachable(f"HTTP {status} with a non-JSON body: is this a ferry server?") from None
+    if not isinstance(body, dict) or "healthy" not in body:
+        raise Unreachable(f"HTTP {status} without a 'healthy' field: is this a ferry server?")
+    return status, body
+
+
+def workers_of(health: dict[str, Any]) -> list[WorkerLoad]:
+    """Per-worker loads: the cluster backend reports `workers`; the in-process engine backend
+    reports one engine's counters at the top level."""
+    if isinstance(health.get("workers"), dict):
+        return [WorkerLoad(name, str(w.get("kind", "?")), w.get("healthy"), w.get("running"), w.get("waiting"),
+                           w.get("free_blocks"), w.get("total_blocks"))
+                for name, w in sorted(health["workers"].items())]
+    if "num_running" in health:
+        return [WorkerLoad("engine", "colocated", health.get("healthy"), health.get("num_running"),
+                           health.get("num_waiting"), health.get("num_blocks_free"), health.get("num_blocks_total"))]
+    return []
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _slo_value(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, dict):
+            return ", ".join(f"{k} {_slo_value(k, v)}" for k, v in value.items())
+        return json.dumps(value)
+    # Fractions are attainments (met / total); other numbers (targets in ms, counts) print as they are.
+    return f"{value:.1%}" if "attain" in key or key in ("", "overall") else f"{value:g}"
+
+
+def slo_lines(slo: Any) -> list[str]:
+    if slo is None:
+        return ["SLO attainment: n/a (the server does not report it yet)"]
+    if not isinstance(slo, dict):
+        return [f"SLO attainment: {_slo_value('', slo)}"]
+    return ["SLO attainment:"] + [f"  {name:<14} {_slo_value(name if isinstance(v, dict) else 'attainment', v)}"
+                                  for name, v in slo.items()]
+
+
+def render_status(url: str, health: dict[str, Any]) -> str:
+    workers = workers_of(health)
+    state = "healthy" if health.get("healthy") else "UNHEALTHY"
+    why = f" ({health['error']})" if health.get("error") else ""
+    model = f", model {health['model']}" if health.get("model") else ""
+    out = [f"ferry at {url}: {state}{why}{model}, {len(workers)} worker(s)"]
+    head = ("WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV USE")
+    rows = [head]
+    for w in workers:
+        use = f"{w.used_blocks / w.total_blocks:.0%}" if w.used_blocks is not None and w.total_blocks else "-"
+        health_cell = "-" if w.healthy is None else ("ok" if w.healthy else "DOWN")
+        rows.append((w.name, w.kind, health_cell, _cell(w.running), _cell(w.waiting), _cell(w.used_blocks),
+                     _cell(w.free_blocks), _cell(w.total_blocks), use))
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        for r in rows:  # names left-aligned, numbers right-aligned
+            out.append("  ".join(c.ljust(widths[i]) if i < 3 else c.rjust(widths[i]) for i, c in enumerate(r)))
+    return "\n".join(out + slo_lines(health.get("slo")))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        status, health = fetch_health(args.url, args.api_key or os.environ.get(API_KEY_ENV))
+    except Unreachable as e:
+        print(f"ferry: error: cannot reach ferry at {args.url}: {e}\n"
+              f"  is `ferry serve` running? (or pass --url)", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = {"url": args.url, "status_code": status, "healthy": bool(health.get("healthy")),
+               "workers": [asdict(w) | {"used_blocks": w.used_blocks} for w in workers_of(health)],
+               "slo": health.get("slo"), "health": health}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_status(args.url, health))
+    return 0 if health.get("healthy") else 1
+
+
+def cmd_batch_submit(args: argparse.Namespace) -> int:
+    in_path, out_path = Path(args.input).resolve(), Path(args.out).resolve()
+    if in_path == out_path:
+        raise ValueError("--out must differ from the input file")
+    lines = read_input(in_path)  # BatchInputError (a ValueError) names every bad line; nothing is sent
+    done, whole = load_done(out_path, repair=False)  # the runner repairs under its lock; this only counts
+    already = sum(1 for line in lines if line.custom_id in done)
+    cfg = RunnerConfig(args.url, args.api_key or os.environ.get(API_KEY_ENV) or None, args.concurrency,
+                       args.max_retries, args.timeout)
+    print(f"{len(lines)} requests in {in_path}; {already} already in {out_path}", file=sys.stderr)
+    if already == len(lines):
+        print("nothing to do", file=sys.stderr)
+        return 0
+    bar = ProgressBar(len(lines), already)
+    if args.local:
+        report = asyncio.run(run_batch(in_path, out_path, cfg, lambda r: bar.update(r.done)))
+        bar.finish()
+        print(report.summary(), file=sys.stderr)
+        return 1 if report.unfinished else 0
+    spec = JobSpec(in_path, out_path, cfg, args.python or default_python(args.address))
+    try:
+        client = connect(args.address)
+    except ConnectionError as e:
+        print(f"ferry: error: no Ray job API at {args.address}: {e}\n"
+              f"  start ferry with `ferry serve`, pass --address, or run in-process with --local", file=sys.stderr)
+        return 2
+    job_id = submit(client, spec)
+    print(f"submitted Ray job {job_id} to {args.address} (`ray job logs {job_id}` shows its log)", file=sys.stderr)
+    try:
+        outcome = follow(client, job_id, OutputWatcher(out_path, whole), bar)
+    except KeyboardInterrupt:
+        print(f"\nstopped Ray job {job_id}; finished lines are in {out_path}: submit again to do the rest",
+              file=sys.stderr)
+        return 130
+    summary = [ln for ln in outcome.log_tail.splitlines() if ln.startswith("ferry-batch: ")]
+    if outcome.status != "SUCCEEDED":
+        print(f"ferry: error: Ray job {job_id} {outcome.status}; its last log lines:\n{outcome.log_tail}",
+              file=sys.stderr)
+        return 1
+    print(summary[-1] if summary else f"Ray job {job_id} succeeded", file=sys.stderr)
+    return 0
+
+
+def add_ops_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Adds `status` and `batch submit` to the `ferry` command's subparsers."""
+    key_help = f"API key (default ${API_KEY_ENV})"
+    st = sub.add_parser("status", help="workers, health, load and SLO attainment of a running ferry")
+    st.add_argument("--url", default=DEFAULT_URL, help=f"ferry API (default {DEFAULT_URL})")
+    st.add_argument("--api-key", default=None, help=key_help)
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.set_defaults(func=cmd_status)
+
+    batch = sub.add_parser("batch", help="OpenAI-format batch jobs").add_subparsers(dest="batch_cmd", required=True)
+    bs = batch.add_parser("submit", help="run a batch file as a Ray job on the `batch` SLO class; resumes from --out")
+    bs.add_argument("input", metavar="IN.jsonl", help="one request a line: custom_id, method, url, body")
+    bs.add_argument("--out", required=True, metavar="OUT.jsonl", help="results, appended; lines already there are skipped")
+    bs.add_argument("--url", default=DEFAULT_URL, help=f"ferry API as the job sees it (default {DEFAULT_URL})")
+    bs.add_argument("--api-key", default=None, help=key_help)
+    bs.add_argument("--concurrency", type=int, default=RunnerConfig.concurrency, help="requests in flight")
+    bs.add_argument("--max-retries", type=int, default=RunnerConfig.max_retries,
+                    help="per line, for 429s (after Retry-After) and refused connections")
+    bs.add_argument("--timeout", type=float, default=RunnerConfig.request_timeout_s, help="seconds per request")
+    bs.add_argument("--address", default=DEFAULT_RAY_ADDRESS, help="Ray job submission API (the dashboard URL)")
+    bs.add_argument("--python", default=None, help="interpreter on the head node with ferry installed "
+                                                   "(default: this one for a local cluster, else `python`)")
+    bs.add_argument("--local", action="store_true", help="run in this process, without Ray")
+    bs.set_defaults(func=cmd_batch_submit)

@@ -1,0 +1,74 @@
+"""`ferry status` against the in-process app (engine-shaped and cluster-shaped `/health`), an
+unhealthy server, and nothing at all."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.deploy.ops.conftest import App, ferry
+
+CLUSTER_HEALTH = {
+    "healthy": True,
+    "workers": {
+        "prefill-0": {"kind": "prefill", "healthy": True, "running": 2, "waiting": 5, "free_blocks": 100,
+                      "total_blocks": 400},
+        "decode-0": {"kind": "decode", "healthy": True, "running": 7, "waiting": 0, "free_blocks": 300,
+                     "total_blocks": 400},
+    },
+}
+
+
+def test_table_for_the_engine_backend(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    assert ferry(["status", "--url", app.base_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"ferry at {app.base_url}: healthy, model tiny, 1 worker(s)"
+    assert out[1].split() == ["WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV", "USED", "KV", "FREE", "KV",
+                              "TOTAL", "KV", "USE"]
+    assert out[2].split() == ["engine", "colocated", "ok", "0", "0", "0", "128", "128", "0%"]
+    assert out[3] == "SLO attainment: n/a (the server does not report it yet)"
+
+
+def test_table_and_json_for_cluster_workers_with_slo(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    app.backend.health_override = CLUSTER_HEALTH | {"slo": {"online": {"attainment": 0.987, "ttft_p99_ms": 240},
+                                                            "batch": 0.5}}
+    assert ferry(["status", "--url", app.base_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(": healthy, 2 worker(s)")
+    assert out[2].split() == ["decode-0", "decode", "ok", "7", "0", "100", "300", "400", "25%"]
+    assert out[3].split() == ["prefill-0", "prefill", "ok", "2", "5", "300", "100", "400", "75%"]
+    assert out[4:] == ["SLO attainment:", "  online         attainment 98.7%, ttft_p99_ms 240",
+                       "  batch          50.0%"]
+    assert ferry(["status", "--url", app.base_url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["healthy"] is True and doc["status_code"] == 200 and doc["slo"]["batch"] == 0.5
+    assert doc["workers"][0] == {"name": "decode-0", "kind": "decode", "healthy": True, "running": 7,
+                                 "waiting": 0, "free_blocks": 300, "total_blocks": 400, "used_blocks": 100}
+
+
+def test_json_has_null_slo_when_absent(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    assert ferry(["status", "--url", app.base_url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["slo"] is None and [w["name"] for w in doc["workers"]] == ["engine"]
+    assert doc["workers"][0]["total_blocks"] == 128
+
+
+def test_unhealthy_server_exits_1(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    down = dict(CLUSTER_HEALTH["workers"]["decode-0"], healthy=False)  # type: ignore[arg-type]
+    app.backend.health_override = {"healthy": False, "workers": {"decode-0": down}}
+    assert ferry(["status", "--url", app.base_url]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(": UNHEALTHY, 1 worker(s)") and out[2].split()[2] == "DOWN"
+
+
+def test_nothing_listening_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert ferry(["status", "--url", url]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"ferry: error: cannot reach ferry at {url}: ")
+    assert "is `ferry serve` running?" in captured.err
