@@ -54,9 +54,11 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    """`slo_refuse_factor`: refuse when the prediction exceeds the target by this factor (>= 1;
-    predictions are point estimates, so exactly 1.0 would refuse borderline requests that make it).
-    Retry-after hints are clamped to [min_retry_after_s, max_retry_after_s]."""
+    """`slo_refuse_factor` (>= 1): refuse when the prediction exceeds the target times this. At 1.0
+    (the default) a request predicted to miss at all is refused: the admitted ones keep their
+    promise and the cluster's goodput is what it serves on time; above 1.0 admission gambles on
+    predictions being pessimistic. Retry-after hints are clamped to [min_retry_after_s,
+    max_retry_after_s]."""
 
     max_model_len: int = 131072
     slo_refuse_factor: float = 1.0

@@ -50,8 +50,9 @@ class RequestDesc:
 
     `block_hashes` are the chained hashes (`actors.engine.block_hash.hash_block_chain`) of the
     prompt's full blocks of `SchedulerConfig.hash_block_size` tokens, oldest first; equal hashes
-    mean equal prefixes. `slo_class=None` means the tenant's own class. `arrival_time` is on the
-    scheduler's clock.
+    mean equal prefixes. `slo_class=None` means the tenant's own class; an interactive tenant may
+    send `SloClass.BATCH` to downgrade one request (a batch tenant cannot upgrade). `arrival_time`
+    is on the scheduler's clock.
     """
 
     request_id: RequestId

@@ -152,7 +152,6 @@ class PlacementPolicy:
         best, best_head = None, -math.inf
         fallback, fallback_wait = None, math.inf
         victim_pick, victim_head = None, -math.inf
-        need_blocks_tokens = total_tokens
         for w in workers:
             t = w.model.theta  # inlined step-time model: this loop is the hot path
             tight = w.tpot_targets.min()
@@ -172,7 +171,7 @@ class PlacementPolicy:
                 step = min_step
             head = (tight if tight is not None else 0.0) - step
             free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
-            if rows_ok and free - w.committed_blocks >= -(-need_blocks_tokens // w.block_size):
+            if rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size):
                 if head > best_head:
                     best, best_head = DecodeChoice(w, step, 0.0), head
                 continue

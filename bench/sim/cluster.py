@@ -12,6 +12,7 @@ reports, are told of a death after the same heartbeat timeout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,7 +92,7 @@ class SimCluster:
         self.failures: list[FailureRecord] = []
         self.requests: dict[str, SimRequest] = {}
 
-    def _cap_fn(self, name: str):  # type: ignore[no-untyped-def]
+    def _cap_fn(self, name: str) -> Callable[[], int]:
         limit = self.spec.max_num_seqs
         return lambda: min(limit, self.router.decode_cap(name) or limit)
 
@@ -135,9 +136,7 @@ class SimCluster:
             kind = WorkerKind.DECODE if isinstance(inst, DecodeInstance) else WorkerKind.COLOCATED
             total, free = inst.dec.kv_blocks, inst.dec.kv_blocks - inst.dec.used_blocks
             added, removed = (), ()
-        steps = tuple(getattr(inst, "samples", ()))
-        if hasattr(inst, "samples"):
-            inst.samples = []
+        steps, inst.samples = tuple(inst.samples), []
         return WorkerLoad(WorkerName(inst.name), kind, running, waiting, max(0, free), total,
                           self.spec.kv_block_tokens, True, self.loop.now, steps, added, removed)
 

@@ -17,6 +17,7 @@ from bench.sim.cache import BlockCache
 from bench.sim.hardware import StepCost
 from bench.sim.instances import _Decoder
 from bench.sim.request import PREFILLING, QUEUED, SimRequest
+from cluster.descriptors import StepSample
 
 if TYPE_CHECKING:
     from bench.sim.cluster import SimCluster
@@ -37,6 +38,7 @@ class ColocatedInstance:
         self.prefilling: list[SimRequest] = []
         self.chunks: list[tuple[SimRequest, int]] = []
         self.busy = self.dead = False
+        self.samples: list[StepSample] = []
 
     def enqueue(self, req: SimRequest) -> None:
         heapq.heappush(self.waiting, (req.key, next(_seq), req))
@@ -86,11 +88,12 @@ class ColocatedInstance:
         self.busy = True
         rows, ctx = len(dec.rows), dec.context_next_step()
         compute = self.cost.step_s(tokens, pairs, rows, ctx)
-        self.sim.loop.after(compute + fetch_s, self._end)
+        self.sim.loop.after(compute + fetch_s, self._end, StepSample(tokens, pairs, rows, ctx, compute))
 
-    def _end(self) -> None:
+    def _end(self, sample: StepSample) -> None:
         if self.dead:
             return
+        self.samples.append(sample)
         dec = self.dec
         joined, dec.just_joined = dec.just_joined, []
         for req in joined:

@@ -212,9 +212,9 @@ def _tables(figures: dict[str, Any]) -> str:
              "P99 TPOT ms", "prefix-cached"], rows,
             title=f"{name}: {tr['num_requests']} requests, SLO P99 TTFT {slo['ttft_ms']:.0f} ms / TPOT "
                   f"{slo['tpot_ms']:.0f} ms, native rate {tr['native_rate_rps']:.1f} req/s (time-scaled)"))
-        rates = sorted({r for p in tr["attainment"] for r in tr["attainment"][p]})
-        out.append(format_table(["rate req/s"] + list(tr["attainment"]),
-                                [[r] + [tr["attainment"][p].get(r) for p in tr["attainment"]] for r in rates],
+        att = {p: {float(r): a for r, a in pts.items()} for p, pts in tr["attainment"].items()}  # JSON keys: str
+        rates = sorted({r for pts in att.values() for r in pts})
+        out.append(format_table(["rate req/s"] + list(att), [[r] + [att[p].get(r) for p in att] for r in rates],
                                 title=f"{name}: SLO attainment by rate"))
         if "failures" in tr:
             frows = []
