@@ -8,6 +8,7 @@ import sys
 import time
 
 from actors.engine.errors import EngineError
+from deploy.ops import add_ops_parsers
 
 
 def _cmd_models_fetch(args: argparse.Namespace) -> int:
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", default=None, help="YAML config (deploy/serve.yaml shows every field)")
     srv.add_argument("--port", type=int, default=8000)
     srv.set_defaults(func=_cmd_serve)
+
+    add_ops_parsers(sub)
 
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("--model", default="smollm2", help="known name, .gguf file or HF folder")
