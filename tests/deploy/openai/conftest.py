@@ -9,17 +9,13 @@ the tiny model is seeded and greedy decoding is deterministic. Tenants `throttle
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
+
 
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
@@ -28,6 +24,7 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import write_tiny_model
 from deploy.openai import ApiConfig, EngineBackend, Refused, build_api
+from tests.server_thread import ServerThread
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-throttled": "throttled", "key-broken": "broken",
         "key-flaky": "flaky"}
@@ -55,32 +52,6 @@ class ScriptedBackend(EngineBackend):
                     raise RuntimeError(SECRET)
                 num_outputs += 1
                 yield out
-
-
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> from a daemon thread."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port: int = self._sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        name=f"uvicorn-{self.port}", daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
 
 
 @dataclass

@@ -15,9 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import threading
-import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -31,7 +28,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
-import uvicorn  # noqa: E402
+from tests.server_thread import ServerThread  # noqa: E402
 from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
 from actors.engine.async_engine import AsyncEngine  # noqa: E402
@@ -107,30 +104,6 @@ class ScriptedBackend(EngineBackend):
         if self.health_override is not None:
             return self.health_override
         return await super().health()
-
-
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> from a daemon thread."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
 
 
 @dataclass
