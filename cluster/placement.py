@@ -149,9 +149,10 @@ class PlacementPolicy:
         output still expected) with `context_tokens` of context now; `tpot_s` is its TPOT target
         (None for batch work)."""
         safety, min_step = self.cfg.decode_tpot_safety, self.models.prior.min_step_s
-        best, best_head = None, -math.inf
-        fallback, fallback_wait = None, math.inf
-        victim_pick, victim_head = None, -math.inf
+        # Candidates kept as (worker, step) tuples; one DecodeChoice is built at the end.
+        best, best_head, best_step = None, -math.inf, 0.0
+        fallback, fallback_wait, fallback_step = None, math.inf, 0.0
+        victim, victim_head, victim_step, victim_n = None, -math.inf, 0.0, 0
         for w in workers:
             t = w.model.theta  # inlined step-time model: this loop is the hot path
             tight = w.tpot_targets.min()
@@ -173,16 +174,20 @@ class PlacementPolicy:
             free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
             if rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size):
                 if head > best_head:
-                    best, best_head = DecodeChoice(w, step, 0.0), head
+                    best, best_head, best_step = w, head, step
                 continue
             cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight, w.max_num_seqs)
             excess = max(1, rows - cap)
             if interactive and len(w.victims) >= excess and head > victim_head:
                 # After evicting `excess` batch rows the batch is back within the cap.
-                after = max(min_step, step - per_row * excess)
-                victim_pick, victim_head = DecodeChoice(w, after, 0.0, num_preempt=excess), head
+                victim, victim_head, victim_n = w, head, excess
+                victim_step = max(min_step, step - per_row * excess)
             # A row frees every (expected_output * step / rows) seconds on average.
             wait = excess * expected_output * step / rows
             if wait < fallback_wait:
-                fallback, fallback_wait = DecodeChoice(w, step, wait), wait
-        return best or victim_pick or fallback
+                fallback, fallback_wait, fallback_step = w, wait, step
+        if best is not None:
+            return DecodeChoice(best, best_step, 0.0)
+        if victim is not None:
+            return DecodeChoice(victim, victim_step, 0.0, num_preempt=victim_n)
+        return None if fallback is None else DecodeChoice(fallback, fallback_step, fallback_wait)
