@@ -1,5 +1,8 @@
 import os
 
+from collections.abc import Iterator
+from types import ModuleType
+
 import pytest
 
 # Before any test module imports ray: Ray reads these at import time. Every Ray port then binds
@@ -22,3 +25,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[ModuleType]:
+    """One local Ray cluster for the whole session, started by the first Ray-marked test that asks
+    (2 CPUs: actors use fractional ones), bound to 127.0.0.1 by the env set above."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

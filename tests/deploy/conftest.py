@@ -1,1 +1,1 @@
-from tests.actors.workers.conftest import ray_cluster, tiny_model_dir  # noqa: F401  (shared session fixtures)
+from tests.actors.workers.conftest import tiny_model_dir  # noqa: F401  (shared session fixture)
