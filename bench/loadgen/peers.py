@@ -45,6 +45,7 @@ class PeerSpec:
     ctx_per_slot: int = 1024
     threads: int = 2
     startup_timeout_s: float = 300.0
+    ferry_src: Path | None = None  # run ferry from this source tree (a clean snapshot), else the repo
 
 
 def free_port() -> int:
@@ -75,7 +76,9 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                "api": {"auth_required": False}}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        return [str(ferry), "serve", "--config", str(path), "--port", str(port)]
+        # `python -m deploy.cli` with PYTHONPATH=ferry_src runs a snapshot ahead of the editable install.
+        return [str(REPO / ".venv" / "bin" / "python"), "-m", "deploy.cli", "serve", "--config", str(path),
+                "--port", str(port)]
     if name == "llama-server":
         exe = _find("llama-server")
         if exe is None:
@@ -117,8 +120,12 @@ def launched(name: str, spec: PeerSpec, log_dir: Path) -> Iterator[tuple[str, st
         argv = command(name, spec, port, Path(tmp))
         out = (log_dir / f"{name}.log").open("wb")
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+        cwd = REPO
+        if name.startswith("ferry-") and spec.ferry_src is not None:
+            cwd = spec.ferry_src
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(spec.ferry_src), env.get("PYTHONPATH")]))
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                cwd=REPO)
+                                cwd=cwd)
         log.info("started %s (pid %d) on port %d", name, proc.pid, port)
         try:
             base = f"http://127.0.0.1:{port}"

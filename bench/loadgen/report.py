@@ -96,7 +96,9 @@ def plot(results: list[SystemResult], target: float, out_dir: Path) -> list[Path
                 xs = sorted(v * 1000 for v in vals)
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r.name} @ {p.rate_rps:g} rps")
     for ax, what in zip(axes, ("TTFT", "E2E latency")):
-        ax.set_xlabel(f"{what} (ms)"), ax.set_ylabel("CDF"), ax.set_xscale("log"), ax.grid(alpha=0.3), ax.legend()
+        ax.set_xlabel(f"{what} (ms)"), ax.set_ylabel("CDF"), ax.set_xscale("log"), ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # nothing ran: no legend (matplotlib warns otherwise)
+            ax.legend()
     fig.tight_layout()
     paths.append(out_dir / "latency_cdf.png")
     fig.savefig(paths[-1], dpi=110)
@@ -106,7 +108,9 @@ def plot(results: list[SystemResult], target: float, out_dir: Path) -> list[Path
             pts = sorted(r.points, key=lambda p: p.rate_rps)
             ax.plot([p.rate_rps for p in pts], [p.summary.attainment for p in pts], marker="o", label=r.name)
     ax.axhline(target, ls="--", c="gray")
-    ax.set_xlabel("request rate (rps)"), ax.set_ylabel("SLO attainment"), ax.set_ylim(0, 1.05), ax.legend()
+    ax.set_xlabel("request rate (rps)"), ax.set_ylabel("SLO attainment"), ax.set_ylim(0, 1.05)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     paths.append(out_dir / "attainment_vs_rate.png")
