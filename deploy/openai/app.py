@@ -38,6 +38,7 @@ from deploy.openai.responses import (
     ModelList,
 )
 from deploy.openai.stream import ClientGone, EventStream, first_output, run_to_end, sse_body
+from deploy.semantic import SemanticGlue, semantic_text
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def _name(request: Request, prefix: str) -> str:
     return request.state.request_id
 
 
-def build_api(backend: Backend, cfg: ApiConfig) -> FastAPI:
+def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None = None) -> FastAPI:
     served = list(cfg.served_model_names) or [backend.model_name]
     strings = TokenStrings(backend.tokenizer)
     started_at = int(time.time())
@@ -99,15 +100,30 @@ def build_api(backend: Backend, cfg: ApiConfig) -> FastAPI:
     app.add_middleware(Gate, cfg=cfg)
     # Documents the bearer scheme in /openapi.json; the Gate has already checked the key.
     secured = [Security(HTTPBearer(auto_error=False, description="API key; it selects the tenant."))]
+    if semantic is None and cfg.semantic_cache is not None:
+        semantic = SemanticGlue.from_settings(cfg.semantic_cache)  # loads the embedding model once
+    app.state.semantic = semantic
 
-    async def serve(request: Request, prep: Prepared, renderer: Renderer) -> Response:
-        stream = backend.generate(renderer.request_id, prep.prompt_token_ids, prep.params,
-                                  tenant=request.state.tenant)
+    async def serve(request: Request, prep: Prepared, renderer: Renderer, text: str | None = None) -> Response:
+        # Semantic cache (deploy/semantic.py), before admission: a hit replaces the backend's stream
+        # and the engine never sees the request; a miss is recorded and inserted when it finishes.
+        consulted = None
+        if semantic is not None:
+            consulted = await semantic.consult(
+                request, endpoint="chat" if isinstance(renderer, ChatRenderer) else "completion", model=prep.model,
+                text=text, params=prep.params, num_prompt_tokens=len(prep.prompt_token_ids))
+        if consulted is not None and consulted.stream is not None:
+            stream = consulted.stream
+        else:
+            stream = backend.generate(renderer.request_id, prep.prompt_token_ids, prep.params,
+                                      tenant=request.state.tenant)
+            if consulted is not None and semantic is not None:
+                stream = semantic.record(consulted, stream)
         try:
             if prep.stream:
                 first = await first_output(request, stream)
-                return EventStream(sse_body(renderer, first, stream, include_usage=prep.include_usage,
-                                            prompt_param=prep.prompt_param))
+                return SemanticGlue.mark(EventStream(sse_body(renderer, first, stream, include_usage=prep.include_usage,
+                                                              prompt_param=prep.prompt_param)), consulted)
             final, logprobs = await run_to_end(request, stream)
         except ClientGone:
             logger.info("%s: client left before the answer; request aborted", renderer.request_id)
@@ -118,7 +134,7 @@ def build_api(backend: Backend, cfg: ApiConfig) -> FastAPI:
                 raise  # the Gate turns it into a 500 without details
             raise err from None
         body = renderer.response(final, logprobs).model_dump_json()
-        return Response(content=body, media_type="application/json")
+        return SemanticGlue.mark(Response(content=body, media_type="application/json"), consulted)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_streaming_doc(CompletionResponse),
               dependencies=secured, tags=["openai"])
@@ -126,7 +142,7 @@ def build_api(backend: Backend, cfg: ApiConfig) -> FastAPI:
         request_id = _name(request, "cmpl")
         prep = await asyncio.to_thread(prepare_completion, body, backend, served, cfg.default_max_tokens)
         renderer = CompletionRenderer(request_id, prep.model, strings, want_logprobs=body.logprobs is not None)
-        return await serve(request, prep, renderer)
+        return await serve(request, prep, renderer, semantic_text(body))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_streaming_doc(ChatCompletionChunk), dependencies=secured, tags=["openai"])
@@ -134,7 +150,7 @@ def build_api(backend: Backend, cfg: ApiConfig) -> FastAPI:
         request_id = _name(request, "chatcmpl")
         prep = await asyncio.to_thread(prepare_chat, body, backend, served, cfg.default_max_tokens)
         renderer = ChatRenderer(request_id, prep.model, strings, want_logprobs=bool(body.logprobs))
-        return await serve(request, prep, renderer)
+        return await serve(request, prep, renderer, semantic_text(body))
 
     @app.get("/v1/models", response_model=ModelList, dependencies=secured, tags=["openai"])
     async def list_models() -> ModelList:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.semantic import SemanticCacheSettings
+
 MIB = 1 << 20
 
 
@@ -29,6 +31,8 @@ class ApiConfig(BaseModel):
         256, ge=1, description="Tokens to generate when the request names no limit; lowered to what "
                                "still fits the context after the prompt.")
     health_timeout_s: float = Field(5.0, gt=0, description="A backend health check slower than this is 503.")
+    semantic_cache: SemanticCacheSettings | None = Field(
+        None, description="Semantic response cache (deploy/semantic.py); absent: off for everyone.")
 
     @model_validator(mode="after")
     def _check(self) -> "ApiConfig":
