@@ -8,6 +8,7 @@ import sys
 import time
 
 from actors.engine.errors import EngineError
+from deploy.bench_cli import add_bench_parser
 from deploy.ops import add_ops_parsers
 
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     add_ops_parsers(sub)
+    add_bench_parser(sub)
 
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("--model", default="smollm2", help="known name, .gguf file or HF folder")
