@@ -92,11 +92,7 @@ class BackendTimelines:
         self._finished: dict[str, RequestRecord] = {}
 
     def recent_records(self, limit: int) -> list[RequestRecord]:
-        recorder = self.backend.timelines
-        listing = getattr(recorder, "request_ids", None)
-        # Without a listing method, read the recorder's LRU (oldest first) directly: both run on
-        # the app's event loop, so it cannot change while it is copied.
-        held = list(listing()) if listing is not None else list(recorder._traces)
+        held = self.backend.timelines.request_ids()
         out = []
         for rid in reversed(held[-limit:]):
             record = self._finished.get(rid)

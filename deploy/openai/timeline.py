@@ -81,6 +81,10 @@ class TimelineRecorder:
             self._traces.popitem(last=False)
         return trace
 
+    def request_ids(self) -> list[str]:
+        """The recent requests held, oldest first."""
+        return list(self._traces)
+
     def discard(self, request_id: str) -> None:
         self._traces.pop(request_id, None)
 
