@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import shlex
 import sys
 import time
@@ -72,7 +73,10 @@ def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchReques
         base = scale_lengths(base, a.length_scale, a.max_model_len, a.max_output_len)
         desc = f"{path.name}, lengths x{a.length_scale:g} clipped to {a.max_model_len} (output <= {a.max_output_len})"
     if a.arrivals == "trace" and base:
-        reqs = rescale_rate(base, rate)
+        # Scale only the prefix that fits the time bound, so what is sent really averages `rate`
+        # (a trace's rate drifts over an hour; scaling all of it would not bound this window).
+        k = max(2, min(len(base), math.ceil(rate * a.duration) + 1))
+        reqs = rescale_rate(base[:k], rate)
         desc += f", trace arrivals time-scaled to {rate:g} rps"
     else:
         bursty = a.burstiness if a.arrivals == "gamma" else 1.0
@@ -123,8 +127,12 @@ def run_bench(a: argparse.Namespace) -> int:
                 res.skipped = str(e)[:400]
                 print(f"[bench] {name}: SKIPPED: {res.skipped}", file=sys.stderr, flush=True)
     _, desc = build_workload(a, rates[0])
-    meta = {"machine": machine(), "command": " ".join(shlex.quote(x) for x in sys.argv), "workload": desc,
-            "slo": {k: str(v) for k, v in slos.items()}, "rates": rates, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    prog = "python -m bench.serve" if sys.argv[0].endswith(("serve.py", "bench.serve")) else "ferry"
+    meta = {"machine": machine(), "command": " ".join([prog, *(shlex.quote(x) for x in sys.argv[1:])]),
+            "workload": f"{desc}; {a.max_concurrency or a.parallel} concurrent clients, {a.parallel} slots per server, "
+                        f"<= {a.num_requests} requests and {a.duration:g} s (+{a.grace:g} s grace) per rate",
+            "slo": {k: ", ".join(f"{f} <= {getattr(v, f):g} ms" for f in ("ttft_ms", "tpot_ms", "e2el_ms")
+                                 if getattr(v, f) is not None) for k, v in slos.items()}, "rates": rates, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "parallel": a.parallel}
     write_json(results, meta, out / "results.json")
     pngs = plot(results, a.knee_attainment, out)

@@ -1,0 +1,60 @@
+"""The CLI's workload builder (rate really holds), the knee rule and the RESULTS.md writer."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen.cli import add_arguments, build_workload
+from bench.loadgen.metrics import RequestRecord, Slo, summarize
+from bench.loadgen.report import RatePoint, SystemResult, write_json, write_results_md
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_synthetic_workload_without_trace_and_tenants() -> None:
+    reqs, desc = build_workload(_args("--trace", "none", "--arrivals", "gamma", "--burstiness", "0.5",
+                                      "--num-requests", "30", "--tenants", "a,b,c"), 5.0)
+    assert len(reqs) == 30 and {(r.prompt_len, r.output_len) for r in reqs} == {(128, 32)}
+    assert [r.tenant for r in reqs[:4]] == ["a", "b", "c", "a"] and "gamma" in desc
+
+
+def test_trace_prefix_is_scaled_to_the_rate_within_the_time_bound() -> None:
+    try:
+        reqs, _ = build_workload(_args("--duration", "30"), 3.0)
+    except FileNotFoundError:
+        pytest.skip("shared/traces not present")
+    assert len(reqs) == 91 and reqs[-1].arrival_s == pytest.approx(30.0)
+    assert all(r.prompt_len + r.output_len <= 1024 and r.output_len <= 64 for r in reqs)
+
+
+def _point(rate: float, good: int, sent: int) -> RatePoint:
+    recs = [RequestRecord(send_s=0.0, chunk_s=[0.1 if i < good else 9.0], output_tokens=1, success=True)
+            for i in range(sent)]
+    return RatePoint.of(rate, summarize(recs, 10.0, {"default": Slo(ttft_ms=1000)}), recs)
+
+
+def test_knee_is_the_highest_rate_meeting_the_target() -> None:
+    r = SystemResult("x", [_point(1, 10, 10), _point(2, 19, 20), _point(4, 20, 40)])
+    assert r.knee(0.9).rate_rps == 2
+    only_bad = SystemResult("y", [_point(1, 5, 10), _point(2, 8, 20)])
+    assert only_bad.knee(0.9).rate_rps == 2  # none meets it: the best goodput
+
+
+def test_results_files(tmp_path: Path) -> None:
+    results = [SystemResult("a", [_point(1, 10, 10)]), SystemResult("b", [_point(1, 5, 10)]),
+               SystemResult("c", skipped="not built")]
+    meta = {"machine": "m", "command": "ferry bench serve", "workload": "w", "slo": {}, "when": "now"}
+    write_results_md(results, meta, 0.9, tmp_path / "R.md", ["a note"])
+    text = (tmp_path / "R.md").read_text()
+    assert "c: skipped: not built" in text and "- a note" in text
+    row_b = next(line for line in text.splitlines() if line.startswith("b "))
+    assert row_b.split()[-1] == "2.00"  # a's goodput / b's
+    write_json(results, meta, tmp_path / "r.json")
+    assert '"skipped": "not built"' in (tmp_path / "r.json").read_text()
