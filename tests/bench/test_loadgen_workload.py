@@ -110,3 +110,17 @@ def test_loopback_guard() -> None:
         check_loopback("http://10.1.2.3:8000")
     with pytest.raises(NotLoopback):
         check_loopback("http://8.8.8.8/v1")
+
+
+def test_blocks_are_real_token_blocks_in_smollm2_when_cached() -> None:
+    gguf = Path.home() / ".cache" / "ferry" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        pytest.skip("SmolLM2 GGUF not cached")
+    from actors.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(gguf)
+    a = BenchRequest(0.0, 60, 1, hash_ids=(3, 4, 9), block_tokens=20)
+    b = BenchRequest(0.0, 60, 1, hash_ids=(3, 4, 8), block_tokens=20)
+    ta, tb = tok.encode(prompt_text(a, 0)), tok.encode(prompt_text(b, 1))
+    assert len(ta) == len(tb) == 60  # one token per word
+    assert ta[:40] == tb[:40] and ta[40:] != tb[40:]
