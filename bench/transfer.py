@@ -55,7 +55,12 @@ def log(msg: str) -> None:
 
 
 def table(title: str, headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    def fmt_value(v: Any) -> str:
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:.0f}" if v >= 100 else f"{v:.2f}" if v >= 1 else f"{v:.3f}"
+
+    cells = [[fmt_value(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([title, fmt(headers), "  ".join("-" * w for w in widths), *map(fmt, cells)])

@@ -134,8 +134,9 @@ class LocalTransport:
 
     def stats(self) -> TransportStats:
         with self._cond:
-            in_use = self._inbox_bytes
-        return TransportStats(self.name, self.kind, self._book.snapshot(), staging_in_use_bytes=in_use)
+            in_use, peers = self._inbox_bytes, tuple(sorted(self._peers))
+        return TransportStats(self.name, self.kind, self._book.snapshot(), connected_peers=peers,
+                              staging_in_use_bytes=in_use)
 
     def close(self) -> None:
         with self._cond:

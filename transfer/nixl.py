@@ -186,8 +186,10 @@ class NixlTransport:
         self._book.received(peer, size)
 
         def release() -> None:
-            arena.free(off)
-            self._wake.set()  # room freed: queued grants can go out now
+            # The worker frees it: SimpleQueue.put is safe even from the garbage collector's
+            # finalizer (a lock taken here could be held by the very frame GC interrupted), and
+            # a worker with requests queued for room polls every 50 us.
+            self._commands.put((arena.free, (off,), None))
 
         return Delivery(peer, tag, shard, n, arena.view(off, size), release)
 
@@ -221,7 +223,7 @@ class NixlTransport:
         ep = self._ep
         assert ep.send_arena is not None and ep.recv_arena is not None
         return TransportStats(
-            self.name, self.kind, self._book.snapshot(),
+            self.name, self.kind, self._book.snapshot(), connected_peers=tuple(sorted(ep.peers)),
             transfers_in_flight=sum(len(op.inflight) for op in ep.sends.values()) + len(ep.zombies),
             staging_in_use_bytes=ep.send_arena.in_use_bytes + ep.recv_arena.in_use_bytes,
             registered_bytes=ep.send_arena.size_bytes + ep.recv_arena.size_bytes,

@@ -169,7 +169,7 @@ class ObjectStoreTransport:
         return Delivery(sender, tag, index, count, memoryview(array))
 
     def stats(self) -> TransportStats:
-        return TransportStats(self.name, self.kind, self._book.snapshot())
+        return TransportStats(self.name, self.kind, self._book.snapshot(), connected_peers=tuple(sorted(self._peers)))
 
     def close(self) -> None:
         if self._closed:

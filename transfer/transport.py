@@ -121,7 +121,8 @@ class TransportStats:
 
     name: str
     kind: str
-    peers: dict[str, PeerStats]
+    peers: dict[str, PeerStats]  # every peer ever seen, for its counters
+    connected_peers: tuple[str, ...] = ()  # peers this endpoint can send to now
     transfers_in_flight: int = 0
     staging_in_use_bytes: int = 0
     registered_bytes: int = 0

@@ -63,6 +63,7 @@ def test_closed_or_restarted_peer_is_gone_until_re_added() -> None:
     b.close()
     with pytest.raises(PeerGone):
         a.send("b", [b"x"], timeout_s=1.0)
+    assert a.stats().connected_peers == ()
     b2 = LocalTransport("b")
     with pytest.raises(PeerGone):  # forgotten after the failure: the new b is not known yet
         a.send("b", [b"x"], timeout_s=1.0)
@@ -71,3 +72,19 @@ def test_closed_or_restarted_peer_is_gone_until_re_added() -> None:
     assert bytes(b2.recv(1.0).data) == b"x"
     a.close()
     b2.close()
+
+
+def test_a_dropped_delivery_gives_its_room_back(caplog: pytest.LogCaptureFixture) -> None:
+    a, b = LocalTransport("a"), LocalTransport("b", recv_bytes=1000)
+    try:
+        a.add_peer(b.metadata())
+        a.send("b", [b"x" * 600], timeout_s=1.0)
+        d = b.recv(1.0)
+        assert b.stats().staging_in_use_bytes == 600
+        del d  # never released
+        assert b.stats().staging_in_use_bytes == 0
+        assert "without release" in caplog.text
+        a.send("b", [b"y" * 600], timeout_s=1.0)
+    finally:
+        a.close()
+        b.close()

@@ -146,6 +146,9 @@ def test_killed_receiver_is_peer_gone_within_deadline_then_restart_works(sender:
         assert_idle(sender, 17 * MIB)
         assert thread_counts() == before
         assert sender.stats().peers["doomed"].peer_gone == 1
+        assert "doomed" not in sender.stats().connected_peers
+        # ...and NIXL itself holds no metadata of it any more (asked on the agent's own thread)
+        assert not sender._call(lambda: sender._ep.agent.check_remote_metadata("doomed"))
         with pytest.raises(PeerGone):  # dropped: no more sends until it is re-added
             sender.send("doomed", [b"x"], timeout_s=5.0)
         peer.stop()
@@ -169,7 +172,7 @@ def test_frozen_receiver_is_transfer_timeout_and_works_again_after_thaw(sender: 
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             sender.send("frozen", [np.zeros(MIB, dtype=np.uint8)] * 2, timeout_s=1.0)
-        assert 0.9 < time.monotonic() - t0 < 3.0
+        assert 0.9 < time.monotonic() - t0 < 5.0  # deadline + the bounded cleanup, on a loaded box
         assert_idle(sender, 17 * MIB)
         assert thread_counts() == before
         assert sender.stats().peers["frozen"].timeouts == 1

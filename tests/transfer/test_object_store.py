@@ -97,6 +97,7 @@ def test_dead_receiver_is_peer_gone_and_a_restarted_one_works(driver: Any) -> No
     assert time.monotonic() - t0 < 10.0
     with pytest.raises(PeerGone):  # forgotten until re-added
         driver.send("rx-dies", [b"x"], timeout_s=1.0)
+    assert "rx-dies" not in driver.stats().connected_peers
     actor = start_receiver("rx-dies")
     try:
         driver.add_peer(ray.get(actor.metadata.remote(), timeout=60))
