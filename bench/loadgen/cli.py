@@ -131,7 +131,7 @@ def run_bench(a: argparse.Namespace) -> int:
     meta = {"machine": machine(), "command": " ".join([prog, *(shlex.quote(x) for x in sys.argv[1:])]),
             "workload": f"{desc}; {a.max_concurrency or a.parallel} concurrent clients, {a.parallel} slots per server, "
                         f"<= {a.num_requests} requests and {a.duration:g} s (+{a.grace:g} s grace) per rate",
-            "slo": {k: ", ".join(f"{f} <= {getattr(v, f):g} ms" for f in ("ttft_ms", "tpot_ms", "e2el_ms")
+            "slo": {k: ", ".join(f"{f[:-3].upper()} <= {getattr(v, f):g} ms" for f in ("ttft_ms", "tpot_ms", "e2el_ms")
                                  if getattr(v, f) is not None) for k, v in slos.items()}, "rates": rates, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "parallel": a.parallel}
     write_json(results, meta, out / "results.json")
