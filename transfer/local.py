@@ -20,6 +20,7 @@ from transfer.header import peek_raw_bytes
 from transfer.transport import (
     Buffer,
     Delivery,
+    IncompatiblePeer,
     PeerGone,
     PeerStatsBook,
     SendStats,
@@ -60,7 +61,7 @@ class LocalTransport:
 
     def add_peer(self, metadata: bytes) -> str:
         if metadata[:4] != _MAGIC or len(metadata) < 12:
-            raise ValueError("not local-transport metadata")
+            raise IncompatiblePeer("not local-transport metadata (a peer of another transport kind?)")
         (incarnation,) = struct.unpack_from("<Q", metadata, 4)
         name = bytes(metadata[12:]).decode()
         with self._cond:

@@ -19,6 +19,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from transfer.transport import IncompatiblePeer
+
 ENVELOPE_MAGIC = b"FKVN"
 ENVELOPE_VERSION = 1
 
@@ -47,13 +49,13 @@ class Envelope:
     @classmethod
     def unpack(cls, data: bytes) -> "Envelope":
         if len(data) < _ENVELOPE.size:
-            raise ValueError(f"{len(data)} bytes is too short for NIXL peer metadata")
+            raise IncompatiblePeer(f"{len(data)} bytes is too short for NIXL peer metadata")
         magic, version, _, inc, base, size, name_len, md_len = _ENVELOPE.unpack_from(data, 0)
         if magic != ENVELOPE_MAGIC or version != ENVELOPE_VERSION:
-            raise ValueError(f"not ferry NIXL peer metadata of version {ENVELOPE_VERSION} ({magic!r} v{version})")
+            raise IncompatiblePeer(f"not ferry NIXL peer metadata of version {ENVELOPE_VERSION} ({magic!r} v{version})")
         at = _ENVELOPE.size
         if len(data) != at + name_len + md_len:
-            raise ValueError("NIXL peer metadata is truncated")
+            raise IncompatiblePeer("NIXL peer metadata is truncated")
         name = bytes(data[at : at + name_len]).decode()
         return cls(name, inc, base, size, bytes(data[at + name_len :]))
 

@@ -26,6 +26,7 @@ from transfer.header import peek_raw_bytes
 from transfer.transport import (
     Buffer,
     Delivery,
+    IncompatiblePeer,
     PeerGone,
     PeerStatsBook,
     SendStats,
@@ -108,9 +109,11 @@ class ObjectStoreTransport:
         return _ENVELOPE.pack(_MAGIC, self._incarnation, len(name), len(actor)) + name + actor
 
     def add_peer(self, metadata: bytes) -> str:
-        magic, _, name_len, actor_len = _ENVELOPE.unpack_from(metadata, 0)
-        if magic != _MAGIC or len(metadata) != _ENVELOPE.size + name_len + actor_len:
-            raise ValueError("not object-store transport metadata")
+        if len(metadata) < _ENVELOPE.size or metadata[:4] != _MAGIC:
+            raise IncompatiblePeer("not object-store transport metadata (a peer of another transport kind?)")
+        _, _, name_len, actor_len = _ENVELOPE.unpack_from(metadata, 0)
+        if len(metadata) != _ENVELOPE.size + name_len + actor_len:
+            raise IncompatiblePeer("object-store transport metadata is truncated")
         at = _ENVELOPE.size
         name = bytes(metadata[at : at + name_len]).decode()
         namespace, actor_name = bytes(metadata[at + name_len :]).decode().split("/", 1)

@@ -21,8 +21,9 @@ import torch
 from tests.transfer.peer_proc import MIB, Peer, PeerSpec
 from tests.transfer.test_codec import flip, with_version
 from transfer.codec import KVLayout, encode, error_bound
+from transfer.local import LocalTransport
 from transfer.nixl import NixlConfig, NixlTransport, nixl_available
-from transfer.transport import KVTransport, PeerGone, TransferTimeout
+from transfer.transport import IncompatiblePeer, KVTransport, PeerGone, TransferTimeout
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl does not import here")
 
@@ -116,6 +117,15 @@ def test_corruption_version_and_layout_are_caught_on_the_receiver(sender: NixlTr
     assert [by_shard[i][:2] for i in range(3)] == [("error", "CorruptShard"), ("error", "IncompatiblePeer"),
                                                    ("error", "IncompatiblePeer")]
     assert by_shard[3][0] == "ok"
+
+
+def test_metadata_of_another_version_or_transport_is_incompatible_peer(sender: NixlTransport) -> None:
+    md = bytearray(sender.metadata())
+    md[4:6] = (2).to_bytes(2, "little")  # envelope version
+    for bad in (bytes(md), LocalTransport("not-nixl").metadata(), b"", sender.metadata()[:-3]):
+        with pytest.raises(IncompatiblePeer):
+            sender.add_peer(bad)
+    assert sender.stats().connected_peers in ((), ("receiver",))  # nothing half-added
 
 
 def test_unknown_peer_is_peer_gone_at_once(sender: NixlTransport) -> None:
