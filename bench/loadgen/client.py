@@ -72,6 +72,7 @@ async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest,
     headers = {"x-ferry-slo-class": req.slo_class}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
+    # As vLLM: the clock starts once a client slot is free, so TTFT is the server's, not our cap's.
     rec.send_s = time.perf_counter()
     async with client.stream("POST", cfg.completions_url, json=body, headers=headers) as resp:
         if resp.status_code != 200:
