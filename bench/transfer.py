@@ -182,6 +182,27 @@ def object_store(sizes: list[int]) -> dict[int, float]:
         ray.shutdown()
 
 
+def local(sizes: list[int]) -> dict[int, float]:
+    """The in-process transport, sender and receiver on one thread (it copies on send)."""
+    from transfer.local import LocalTransport
+
+    tx, rx = LocalTransport("bench-local-tx"), LocalTransport("bench-local-rx", max(sizes) + MIB)
+    tx.add_peer(rx.metadata())
+    src = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
+    dst = np.ones_like(src)
+
+    def once(size: int) -> None:
+        tx.send("bench-local-rx", [src[:size]], timeout_s=60.0)
+        with rx.recv(60.0) as d:
+            dst[:size] = np.frombuffer(d.data, dtype=np.uint8)
+
+    try:
+        return {size: timed_reps(size, lambda size=size: once(size)) for size in sizes}
+    finally:
+        tx.close()
+        rx.close()
+
+
 def memcpy(sizes: list[int]) -> dict[int, float]:
     src = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
     dst = np.ones_like(src)
@@ -291,6 +312,7 @@ def main() -> None:
         if not args.no_ray:
             log("ray object store (starting a local cluster)")
             gbps["object_store"] = object_store(sizes)
+        gbps["local (1 process)"] = local(sizes)
         figures["gbps"] = {k: {str(s // MIB): v for s, v in row.items()} for k, row in gbps.items()}
         if "nixl" in gbps:
             figures["nixl_vs_shm"] = {str(s // MIB): gbps["nixl"][s] / gbps["shm round trip"][s] for s in sizes}

@@ -45,7 +45,7 @@ def test_full_inbox_times_out_the_sender_and_empty_inbox_times_out_recv() -> Non
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             a.send("b", [b"y" * 600], timeout_s=0.2)  # the first shard is not released yet
-        assert time.monotonic() - t0 < 1.0
+        assert 0.2 <= time.monotonic() - t0 < 3.0
         assert a.stats().peers["b"].timeouts == 1
         b.recv(0.1).release()
         a.send("b", [b"z" * 600], timeout_s=1.0)

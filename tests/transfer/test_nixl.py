@@ -131,8 +131,8 @@ def test_metadata_of_another_version_or_transport_is_incompatible_peer(sender: N
 def test_unknown_peer_is_peer_gone_at_once(sender: NixlTransport) -> None:
     t0 = time.monotonic()
     with pytest.raises(PeerGone):
-        sender.send("nobody", [b"x"], timeout_s=5.0)
-    assert time.monotonic() - t0 < 1.0
+        sender.send("nobody", [b"x"], timeout_s=30.0)
+    assert time.monotonic() - t0 < 5.0  # at once, not at the deadline (slack for a loaded box)
 
 
 def thread_counts() -> tuple[int, int]:
@@ -147,11 +147,11 @@ def test_killed_receiver_is_peer_gone_within_deadline_then_restart_works(sender:
         sender.add_peer(peer.metadata)
         assert ship(sender, peer, [b"warm-up"], timeout_s=5.0)[0][:2] == ("error", "CorruptShard")
         before = thread_counts()  # with the connection up
-        peer.request("recv", 16, 10.0)
+        peer.request("recv", 16, 30.0)
         t0 = time.monotonic()
         with pytest.raises(PeerGone, match="doomed"):
-            sender.send("doomed", [np.zeros(768 * 1024, dtype=np.uint8)] * 16, timeout_s=10.0)
-        assert time.monotonic() - t0 < 5.0  # found by a failed call or the probe, not the deadline
+            sender.send("doomed", [np.zeros(768 * 1024, dtype=np.uint8)] * 16, timeout_s=30.0)
+        assert time.monotonic() - t0 < 10.0  # found by a failed call or the probe, well before the deadline
         peer.wait_dead()
         assert_idle(sender, 17 * MIB)
         assert thread_counts() == before

@@ -34,13 +34,13 @@ def test_alloc_waits_for_a_free_from_another_thread_and_times_out_otherwise() ->
     first = a.try_alloc(2 * ALIGN)
     t0 = time.monotonic()
     assert a.alloc(ALIGN, deadline=time.monotonic() + 0.2) is None
-    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert 0.15 < time.monotonic() - t0 < 3.0
     threading.Timer(0.1, a.free, args=(first,)).start()
     assert a.alloc(ALIGN, deadline=time.monotonic() + 5.0) == 0
     abandon = threading.Event()
     threading.Timer(0.1, abandon.set).start()
     t0 = time.monotonic()
     assert a.alloc(2 * ALIGN, deadline=time.monotonic() + 5.0, abandon=abandon) is None
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.0
     with pytest.raises(ValueError, match="exceed"):
         a.alloc(3 * ALIGN, deadline=time.monotonic() + 1.0)
