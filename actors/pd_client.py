@@ -1,14 +1,21 @@
-"""The caller that runs one request across the disaggregated workers (tests, bench, later the ingress).
+"""The caller that runs one request across the disaggregated workers (the ingress, tests, bench).
 
 Mental model, one `generate(req)`:
-  loads (polled, cached for `load_ttl_s`, plus this client's own in-flight counts)
-    -> placement (a replaceable policy) -> announce on the first decode worker that has room
+  loads (polled, cached for `load_ttl_s`, plus this client's own in-flight counts; workers seen
+    dead are reported unhealthy) -> placement (a replaceable policy, or a `ScheduledPlacement`
+    that asks the cluster scheduler) -> announce on the first decode worker that has room
     -> open the decode worker's token stream (a Ray streaming generator) -> prefill, which sends
        the KV straight to that decode worker -> yield `TokenEvent`s until the last one.
 Every remote call is bounded (`asyncio.wait_for` on the awaited ref) and a miss becomes
 `WorkerTimeout`; no room anywhere is `NoCapacity`. If anything fails, or the consumer stops early,
 the decode worker is told to abort, which frees the request's blocks whatever state it is in.
-Requests with nothing to hand over run on a decode worker alone.
+Requests with nothing to hand over (1-token prompts, resumes) run on a decode worker alone.
+
+Recovery (`actors/recovery.py`): each request's streamed tokens are journaled in an `InFlight`.
+When an attempt fails the way a dead worker fails, the suspects are probed, the dead ones are
+excluded from placement for good, and the request waits for its turn in a recovery round (most
+urgent first), then resumes on healthy workers from the tokens already streamed. The consumer
+sees one uninterrupted stream.
 """
 
 from __future__ import annotations
@@ -23,55 +30,199 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.errors import NoCapacity, WorkerTimeout
 from actors.messages import GenerationRequest, PrefillResult, TokenEvent, WorkerLoad
-from actors.placement import LeastLoaded, Placement
+from actors.placement import LeastLoaded, NoWorkers, Placement, PlacementChoice, ScheduledPlacement
+from actors.recovery import (DECODING, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator, StreamBroken,
+                             is_worker_failure)
 from actors.worker_config import ClientConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _RECENT = 4096  # prefill results kept for inspection
+_Outcome = PlacementChoice | BaseException
 
 
 class PDClient:
     def __init__(self, prefills: Mapping[str, ActorHandle], decodes: Mapping[str, ActorHandle],
-                 cfg: ClientConfig | None = None, placement: Placement | None = None) -> None:
+                 cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
+                 recovery: RecoveryConfig | None = None) -> None:
         """`decodes` are keyed by the name the prefill workers know their endpoints by."""
         self.prefills = dict(prefills)
         self.decodes = dict(decodes)
         self.cfg = cfg or ClientConfig()
         self.placement = placement or LeastLoaded()
+        self.scheduled = placement if isinstance(placement, ScheduledPlacement) else None
+        self.local_placement: Placement = LeastLoaded() if self.scheduled is not None else self.placement  # type: ignore[assignment]
+        self.recovery_cfg = recovery or RecoveryConfig()
+        self.flights: dict[str, InFlight] = {}
+        self.dead: set[str] = set()  # workers seen dead (their actors do not restart)
+        self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_at = float("-inf")
         self._refresh: asyncio.Task[None] | None = None
         self._results: collections.OrderedDict[str, PrefillResult] = collections.OrderedDict()
+        if self.scheduled is not None:
+            self.scheduled.attach(self)
+
+    def in_flight(self) -> list[InFlight]:
+        return list(self.flights.values())
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if req.request_id in self.flights:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        flight = self.flights[req.request_id] = InFlight(req)
+        finished = False
+        try:
+            choice = await self._admit(req)
+            while True:
+                try:
+                    # aclosing: a consumer that stops early closes the attempt now, which aborts it
+                    async with contextlib.aclosing(self._attempt(flight, choice)) as events:
+                        async for event in events:
+                            finished = event.output.finished
+                            yield event
+                    if not finished:
+                        raise StreamBroken(f"{flight.decode} ended the stream of {req.request_id} early")
+                    return
+                except Exception as e:
+                    if not is_worker_failure(e, flight.attempt):
+                        raise
+                    dead = await self._after_failure(flight, e)
+                    choice = await self.recoveries.recover(flight, dead)
+                    flight.next_attempt()
+        finally:
+            del self.flights[req.request_id]
+            if self.scheduled is not None:
+                self.scheduled.on_done(flight, finished, time.time())
+
+    async def _admit(self, req: GenerationRequest) -> PlacementChoice:
         loads = await self.loads()
-        choice = self.placement.place(req, [loads[n] for n in self.prefills], [loads[n] for n in self.decodes])
-        decode = choice.decodes[0] if choice.prefill is None else await self._announce(req, choice.decodes)
+        prefills, decodes = [loads[n] for n in self.prefills], [loads[n] for n in self.decodes]
+        if self.scheduled is not None:
+            return await self.scheduled.admit(req, prefills, decodes)
+        return self.local_placement.place(req, prefills, decodes)
+
+    async def _after_failure(self, flight: InFlight, error: Exception) -> frozenset[str]:
+        """Decides whether a failed attempt is tried again (else re-raises `error`) and which
+        workers died. A recovery that found no room waits for some (with backoff, up to
+        `room_wait_s` in all); a worker failure counts against `max_recoveries`."""
+        cfg, rid = self.recovery_cfg, flight.request_id
+        if isinstance(error, NoCapacity):
+            now = time.monotonic()
+            if flight.room_deadline is None:
+                flight.room_deadline = now + cfg.room_wait_s
+            if now >= flight.room_deadline:
+                raise error
+            flight.num_room_waits += 1
+            await asyncio.sleep(min(2.0, cfg.retry_delay_s * 2 ** min(flight.num_room_waits, 8)))
+            return frozenset()
+        flight.num_failures += 1
+        if flight.num_failures > cfg.max_recoveries:
+            raise error
+        dead = await self._diagnose(flight, error)
+        logger.warning("%s: attempt %d on %s/%s failed (%s: %s); dead: %s; resuming after %d tokens", rid,
+                       flight.attempt, flight.prefill, flight.decode, type(error).__name__, error,
+                       sorted(dead) or "none", len(flight.streamed))
+        if not dead:
+            await asyncio.sleep(cfg.retry_delay_s)
+        return dead
+
+    async def _attempt(self, flight: InFlight, choice: PlacementChoice) -> AsyncIterator[TokenEvent]:
+        """One try at running `flight` where `choice` says; events are journaled as they pass."""
+        req = flight.attempt_request()
+        rid = req.request_id
+        handoff = choice.prefill is not None and req.needs_handoff
+        if handoff:
+            flight.mark_issued()  # the announce below is this attempt's first call to a worker
+            decode = await self._announce(req, choice.decodes)
+        else:
+            decode = choice.decodes[0]
+        flight.place(choice.prefill if handoff else None, decode, PREFILLING if handoff else DECODING)
+        sched = self.scheduled
+        if sched is not None:
+            sched.on_placed(flight)
         self._in_flight[decode] += 1
         try:
-            if choice.prefill is None:
+            if not handoff:
                 stream = self.decodes[decode].generate.options(num_returns="streaming").remote(req)
+                flight.mark_issued()
+                if sched is not None:
+                    sched.on_stage(flight, "decode_admitted", time.time())
             else:
-                stream = self.decodes[decode].generate_after_kv.options(num_returns="streaming").remote(req.request_id)
+                stream = self.decodes[decode].generate_after_kv.options(num_returns="streaming").remote(rid)
+                assert choice.prefill is not None
+                pending = self.prefills[choice.prefill].prefill.remote(req, decode)
+                if sched is not None:
+                    sched.on_stage(flight, "prefill_start", time.time())
                 try:
-                    result = await self._bounded(self.prefills[choice.prefill].prefill.remote(req, decode),
-                                                 self.cfg.prefill_timeout_s, f"prefill of {req.request_id}")
+                    result = await self._bounded(pending, self.cfg.prefill_timeout_s, f"prefill of {rid}")
                 except BaseException:
-                    self.decodes[decode].abort.remote(req.request_id)  # frees the reservation at once
+                    self.decodes[decode].abort.remote(rid)  # frees the reservation at once
                     raise
-                self._remember(result)
-            # aclosing: a consumer that stops early closes _follow now, which aborts the request
-            async with contextlib.aclosing(self._follow(decode, req.request_id, stream)) as events:
-                async for event in events:
+                self._remember(replace(result, request_id=flight.request_id))
+                flight.phase = DECODING
+                if sched is not None:
+                    sched.on_stage(flight, "kv_transfer_done", time.time())
+            async with contextlib.aclosing(self._follow(decode, rid, stream)) as events:
+                async for raw in events:
+                    event = flight.on_event(raw)
+                    if event is None:  # a token sampled again whose text is not complete yet
+                        continue
+                    if sched is not None and event.output.new_token_ids:
+                        sched.on_tokens(flight, len(event.output.new_token_ids), event.emitted_at)
                     yield event
         finally:
             self._in_flight[decode] -= 1
+
+    async def _diagnose(self, flight: InFlight, error: BaseException) -> frozenset[str]:
+        """Which of the failed attempt's workers are dead: probed with a short deadline (a dead
+        actor answers at once with `ActorDiedError`; an engine whose loop died reports itself
+        unhealthy). Dead workers are excluded from placement from now on."""
+        suspects = [w for w in (flight.decode, flight.prefill if flight.phase != DECODING else None) if w]
+        if isinstance(error, NoCapacity):
+            suspects = []
+
+        async def probe(name: str) -> bool:
+            if name in self.dead:
+                return True
+            handle = self.prefills.get(name) or self.decodes[name]
+            try:
+                load = await self._bounded(handle.load.remote(), self.recovery_cfg.probe_timeout_s, f"probe of {name}")
+            except ActorDiedError:
+                return self._mark_dead(name)
+            except (RayActorError, WorkerTimeout) as e:  # restarting or slow: not known dead
+                logger.warning("probe of %s failed: %s", name, e)
+                return False
+            return False if load.healthy else self._mark_dead(name)
+
+        found = await asyncio.gather(*(probe(n) for n in suspects))
+        return frozenset(n for n, is_dead in zip(suspects, found) if is_dead)
+
+    def _mark_dead(self, name: str) -> bool:
+        if name not in self.dead:
+            logger.warning("worker %s is dead; excluded from placement", name)
+            self.dead.add(name)
+        load = self._loads.get(name)
+        if load is not None:
+            self._loads[name] = replace(load, healthy=False)
+        return True
+
+    async def _plan_recovery(self, dead: frozenset[str], flights: list[InFlight]) -> list[tuple[InFlight, _Outcome]]:
+        loads = await self.loads()
+        prefills, decodes = [loads[n] for n in self.prefills], [loads[n] for n in self.decodes]
+        if self.scheduled is not None:
+            return await self.scheduled.recover(dead, flights, prefills, decodes)
+        plan: list[tuple[InFlight, _Outcome]] = []
+        for flight in sorted(flights, key=lambda f: (f.req.arrival_time, f.request_id)):
+            try:
+                plan.append((flight, self.local_placement.place(flight.resume_request(), prefills, decodes)))
+            except NoWorkers as e:
+                plan.append((flight, e))
+        return plan
 
     async def _announce(self, req: GenerationRequest, decodes: tuple[str, ...]) -> str:
         for name in decodes:
@@ -81,7 +232,10 @@ class PDClient:
                     return name
             except (WorkerTimeout, RayActorError) as e:
                 logger.warning("decode worker %s did not take %s: %s", name, req.request_id, e)
-                self.decodes[name].abort.remote(req.request_id)  # in case it reserved after all
+                if isinstance(e, ActorDiedError):
+                    self._mark_dead(name)
+                else:
+                    self.decodes[name].abort.remote(req.request_id)  # in case it reserved after all
         raise NoCapacity(f"no decode worker has room for {req.request_id} now (asked {len(decodes)})")
 
     async def _follow(self, decode: str, request_id: str, stream: Any) -> AsyncIterator[TokenEvent]:
@@ -112,13 +266,15 @@ class PDClient:
     # --------------------------------------------------------------------------------- loads
     async def loads(self) -> dict[str, WorkerLoad]:
         """Every worker's load, at most `load_ttl_s` old, with this client's in-flight requests
-        counted in (a burst is placed before any worker reports it)."""
+        counted in (a burst is placed before any worker reports it); dead workers unhealthy."""
         if time.monotonic() - self._loads_at > self.cfg.load_ttl_s:
             if self._refresh is None or self._refresh.done():
                 self._refresh = asyncio.ensure_future(self._poll())
             await asyncio.shield(self._refresh)
         out = {}
         for name, load in self._loads.items():
+            if name in self.dead and load.healthy:
+                load = replace(load, healthy=False)
             extra = self._in_flight[name] - load.num_active
             out[name] = replace(load, num_waiting=load.num_waiting + extra) if extra > 0 else load
         return out
@@ -128,11 +284,16 @@ class PDClient:
 
         async def one(name: str, handle: ActorHandle) -> WorkerLoad:
             kind = "prefill" if name in self.prefills else "decode"
+            if name in self.dead:  # dead actors stay dead: no call, no warning every poll
+                return WorkerLoad(name, kind, 0, 0, 0, 0, 0, 0.0, healthy=False)
             try:
                 load = await self._bounded(handle.load.remote(), self.cfg.call_timeout_s, f"load of {name}")
                 return replace(load, name=name)  # our key is the name placement answers with
             except (WorkerTimeout, RayActorError) as e:
-                logger.warning("worker %s is unhealthy: %s", name, e)
+                if isinstance(e, ActorDiedError):
+                    self._mark_dead(name)
+                elif name not in self.dead:
+                    logger.warning("worker %s is unhealthy: %s", name, e)
                 return WorkerLoad(name, kind, 0, 0, 0, 0, 0, 0.0, healthy=False)
 
         loads = await asyncio.gather(*(one(n, h) for n, h in workers.items()))

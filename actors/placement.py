@@ -5,6 +5,11 @@ answers with a prefill worker and decode workers in order of preference (a decod
 refuses the announce, having no room, hands the request to the next). The `Placement` protocol is
 the seam the cluster scheduler (SLO budgets, prefix affinity) plugs into later; `LeastLoaded` is
 the embedded default.
+
+A placement backed by a control plane (the cluster scheduler) implements `ScheduledPlacement`
+instead: its decisions are remote calls, so they are awaited; it hears about every request's life
+(where each attempt runs, its stages, tokens, end) through non-blocking notifications it may batch;
+it plans recoveries; and it may refuse a request (`PlacementRefused`, with a retry-after).
 """
 
 from __future__ import annotations
@@ -12,13 +17,32 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from actors.messages import GenerationRequest, WorkerLoad
+
+if TYPE_CHECKING:
+    from actors.recovery import InFlight
 
 
 class NoWorkers(RuntimeError):
     """No healthy worker of a needed kind is known."""
+
+
+class PlacementRefused(RuntimeError):
+    """The control plane will not take the request now. `status` is the HTTP status it maps to
+    (429 over budget or SLO, 403 unknown tenant, 413 too large, 503 no healthy worker);
+    `retry_after_s` is None when retrying cannot help."""
+
+    def __init__(self, reason: str, retry_after_s: float | None, status: int = 429, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.status = status
+        self.detail = detail
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (PlacementRefused, (self.reason, self.retry_after_s, self.status, self.detail))
 
 
 @dataclass(frozen=True)
@@ -32,6 +56,48 @@ class Placement(Protocol):
               decodes: Sequence[WorkerLoad]) -> PlacementChoice:
         """Chooses workers among the given ones (each load names its worker). Raises `NoWorkers`
         when a needed kind has no healthy worker; must not block."""
+        ...
+
+
+class FlightSource(Protocol):
+    """What a scheduled placement may ask of its caller: the requests in flight (to rebuild a
+    restarted scheduler) and the workers' loads (its heartbeats)."""
+
+    def in_flight(self) -> list["InFlight"]: ...
+
+    async def loads(self) -> dict[str, WorkerLoad]: ...
+
+
+@runtime_checkable
+class ScheduledPlacement(Protocol):
+    """A placement that a control plane decides. Contract:
+    - `admit` places a new request (or raises `PlacementRefused` / `NoWorkers`) within its own
+      deadline, falling back to a local policy when the control plane does not answer;
+    - `recover(dead, flights, ...)` returns every given flight, most urgent first, each with
+      where to resume it or the exception to fail it with;
+    - the `on_*` notifications never block and never raise (they are batched);
+    - `attach` is called once by the caller that owns the flights."""
+
+    def attach(self, source: FlightSource) -> None: ...
+
+    async def admit(self, req: GenerationRequest, prefills: Sequence[WorkerLoad],
+                    decodes: Sequence[WorkerLoad]) -> PlacementChoice: ...
+
+    async def recover(self, dead: frozenset[str], flights: Sequence["InFlight"], prefills: Sequence[WorkerLoad],
+                      decodes: Sequence[WorkerLoad]) -> list[tuple["InFlight", PlacementChoice | BaseException]]: ...
+
+    def on_placed(self, flight: "InFlight") -> None:
+        """An attempt of `flight` now runs on `flight.prefill` / `flight.decode`."""
+        ...
+
+    def on_stage(self, flight: "InFlight", stage: str, t: float) -> None:
+        """`stage`: "prefill_start", "kv_transfer_done" or "decode_admitted"."""
+        ...
+
+    def on_tokens(self, flight: "InFlight", num_tokens: int, t: float) -> None: ...
+
+    def on_done(self, flight: "InFlight", finished: bool, t: float) -> None:
+        """The request left: finished (`finished`), or failed / cancelled."""
         ...
 
 

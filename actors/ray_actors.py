@@ -14,6 +14,7 @@ endpoint (they `add_peer` its transport metadata) and the stores.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import uuid
@@ -28,6 +29,7 @@ from actors.colocated import ColocatedWorker
 from actors.decode import DecodeWorker
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.engine import Engine
+from actors.engine.output import EngineStats
 from actors.handoff import kv_layout
 from actors.pd_client import PDClient
 from actors.placement import Placement
@@ -59,7 +61,22 @@ def _open_transport(cfg: WorkerConfig, name: str) -> KVTransport:
     return make_transport(name, cfg.transfer)
 
 
-class PrefillActor(PrefillWorker):
+def _checked_stats(engine: Engine) -> EngineStats:
+    engine.check_integrity()
+    return engine.stats()
+
+
+class _Inspected:
+    """An actor method over the engine's own checks (tests and operators: leaked blocks)."""
+
+    engine: AsyncEngine
+
+    async def check_integrity(self) -> EngineStats:
+        """Asserts the engine's block accounting under its lock; returns its stats."""
+        return await asyncio.to_thread(self.engine.locked, _checked_stats, self.engine.engine)
+
+
+class PrefillActor(_Inspected, PrefillWorker):
     def __init__(self, cfg: WorkerConfig, name: str, stores: Mapping[StoreId, StoreHandle] | None = None,
                  torch_threads: int | None = None) -> None:
         engine = _load_engine(cfg, torch_threads)
@@ -67,13 +84,13 @@ class PrefillActor(PrefillWorker):
         super().__init__(cfg, engine, _open_transport(cfg, name), kv_layout(engine.engine), pool, name)
 
 
-class DecodeActor(DecodeWorker):
+class DecodeActor(_Inspected, DecodeWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
         engine = _load_engine(cfg, torch_threads)
         super().__init__(cfg, engine, _open_transport(cfg, name), kv_layout(engine.engine), name)
 
 
-class ColocatedActor(ColocatedWorker):
+class ColocatedActor(_Inspected, ColocatedWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
         super().__init__(_load_engine(cfg, torch_threads), name)
 

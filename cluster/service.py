@@ -80,6 +80,8 @@ class SchedulerService:
     # ---- the ingress's calls -----------------------------------------------------------------
 
     def submit(self, desc: RequestDesc, seed: int | None = None) -> Placement | Refusal:
+        if self.sched.journal.get(desc.request_id) is not None:  # a retried submit: decide again
+            self.sched.cancel(desc.request_id)
         return self.sched.submit(desc, seed=seed)
 
     def report(self, client: str, batches: Sequence[tuple[int, Sequence[FlightEvent]]],

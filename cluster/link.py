@@ -1,0 +1,345 @@
+"""SchedulerPlacement: the ingress's side of the scheduler actor, behind `PDClient`'s placement seam.
+
+Mental model: the data path never waits on the control plane for more than one bounded call per
+request. `admit` asks the actor for a placement with a deadline (`admit_timeout_s`); a refusal
+becomes `PlacementRefused` (HTTP 429 + Retry-After and friends); no answer (the actor restarting,
+or slow) means the request is placed locally (`LeastLoaded`) and the actor is left alone for
+`down_backoff_s`. Everything else is off the hot path: notifications (placed, stages, tokens,
+done) are buffered and sent, with the workers' loads as heartbeats, by one background reporter
+every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. When
+an acknowledgement says the actor does not know this ingress (it restarted), the reporter sends
+the in-flight list (`rebuild`), which supersedes every event not yet applied. So requests never
+depend on the actor being up, and the actor's view is rebuilt from the ingress's truth.
+
+Recoveries ask the actor for its plan (most urgent remaining SLO budget first); without it the
+same ordering (`Journal.recovery_plan`) is computed here from the tenants' SLOs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ray.actor import ActorHandle
+from ray.exceptions import RayError
+
+from actors.messages import GenerationRequest, WorkerLoad
+from actors.placement import FlightSource, LeastLoaded, NoWorkers, PlacementChoice
+from actors.recovery import InFlight
+from cluster.adapters import flight_state, refusal_error, request_desc, worker_load
+from cluster.admission import Refusal
+from cluster.config import SchedulerConfig
+from cluster.descriptors import RequestId, WorkerName
+from cluster.flights import EventKind, FlightEvent
+from cluster.journal import Journal, JournalEntry
+from cluster.tenants import TenantRegistry
+
+logger = logging.getLogger(__name__)
+Outcome = PlacementChoice | BaseException
+_DEAD = WorkerName("~dead")  # where the local recovery plan files the victims
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    client_id: str = field(default_factory=lambda: f"ingress-{uuid.uuid4().hex[:8]}")
+    admit_timeout_s: float = 2.0  # one placement decision, round trip included
+    call_timeout_s: float = 10.0  # reports, rebuilds, recovery plans (off the hot path)
+    report_interval_s: float = 0.1
+    down_backoff_s: float = 1.0  # after a failed call, place locally this long before asking again
+    ready_timeout_s: float = 5.0  # the first admit waits this long for the first report (heartbeats)
+    block_size: int = 16
+    max_pending_batches: int = 512  # unacknowledged event batches kept while the actor is away
+
+    def __post_init__(self) -> None:
+        if min(self.admit_timeout_s, self.call_timeout_s, self.report_interval_s) <= 0:
+            raise ValueError("timeouts and report_interval_s must be positive")
+
+
+@dataclass
+class LinkStats:
+    incarnation: str | None = None
+    num_restarts_seen: int = 0
+    num_admitted: int = 0
+    num_refused: int = 0
+    num_fallback: int = 0
+    num_recover_calls: int = 0
+    num_recover_fallback: int = 0
+    num_reports: int = 0
+    num_report_failures: int = 0
+    num_rebuilds: int = 0
+    num_rebuilt_requests: int = 0  # in-flight requests sent by the last rebuild
+    num_dropped_batches: int = 0
+
+
+class SchedulerPlacement:
+    """`actors.placement.ScheduledPlacement` over the scheduler actor (`cluster/actor.py`)."""
+
+    def __init__(self, actor: ActorHandle, cfg: LinkConfig | None = None, sched_cfg: SchedulerConfig | None = None) -> None:
+        self.actor = actor
+        self.cfg = cfg or LinkConfig()
+        sched_cfg = sched_cfg or SchedulerConfig()
+        self._tenants = TenantRegistry(sched_cfg.tenants, sched_cfg.default_tenant)
+        self._batch_deadline_s = sched_cfg.batch_deadline_s
+        self.local = LeastLoaded()
+        self.stats = LinkStats()
+        self._source: FlightSource | None = None
+        self._assigned: dict[str, tuple[str | None, str]] = {}  # the scheduler's (prefill, decode)
+        self._events: list[FlightEvent] = []  # not sent yet; TOKENS entries are filled at flush
+        self._token_times: dict[str, tuple[int, list[float]]] = {}  # rid -> (index in _events, times)
+        self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
+        self._seq = itertools.count(1)
+        self._down_until = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = asyncio.Event()
+        self._reporter: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def attach(self, source: FlightSource) -> None:
+        self._source = source
+
+    # ---- decisions ---------------------------------------------------------------------------
+
+    async def admit(self, req: GenerationRequest, prefills: Sequence[WorkerLoad],
+                    decodes: Sequence[WorkerLoad]) -> PlacementChoice:
+        self._start()
+        if self.available:
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.cfg.ready_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        if self.available:
+            try:
+                out = await asyncio.wait_for(self.actor.submit.remote(request_desc(req), req.seed),
+                                             self.cfg.admit_timeout_s)
+            except (RayError, asyncio.TimeoutError) as e:
+                self._mark_down(e)
+            else:
+                if isinstance(out, Refusal):
+                    self.stats.num_refused += 1
+                    raise refusal_error(out)
+                self.stats.num_admitted += 1
+                self._assigned[req.request_id] = (out.prefill_worker, out.decode_worker)
+                if out.preempt:  # the data plane cannot preempt: tell the scheduler they still run
+                    self._readopt(out.preempt)
+                return self._choice(req, out.prefill_worker, out.decode_worker, prefills, decodes)
+        self.stats.num_fallback += 1
+        return self.local.place(req, prefills, decodes)
+
+    def _choice(self, req: GenerationRequest, prefill: str | None, decode: str, prefills: Sequence[WorkerLoad],
+                decodes: Sequence[WorkerLoad]) -> PlacementChoice:
+        """The scheduler's choice first, then the rest by load; workers this ingress has seen
+        dead are skipped even if the scheduler has not heard yet."""
+        local = self.local.place(req, prefills, decodes)
+        healthy = {w.name for w in (*prefills, *decodes) if w.healthy}
+        first = (decode,) if decode in healthy else ()
+        chosen_prefill = None
+        if local.prefill is not None:
+            chosen_prefill = prefill if prefill in healthy else local.prefill
+        return PlacementChoice(chosen_prefill, first + tuple(d for d in local.decodes if d != decode))
+
+    async def recover(self, dead: frozenset[str], flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
+                      decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:
+        self._start()
+        victims = {f.request_id for f in flights}
+        self._events = [e for e in self._events if e.request_id not in victims]  # the states supersede them
+        self._token_times = {r: v for r, v in self._token_times.items() if r not in victims}
+        self._reindex_tokens()
+        if self.available:
+            states = [flight_state(f) for f in flights]
+            try:
+                outs = await asyncio.wait_for(
+                    self.actor.recover.remote(self.cfg.client_id, sorted(dead), states), self.cfg.call_timeout_s)
+            except (RayError, asyncio.TimeoutError) as e:
+                self._mark_down(e)
+            else:
+                self.stats.num_recover_calls += 1
+                return self._plan_from(outs, flights, prefills, decodes)
+        self.stats.num_recover_fallback += 1
+        return self._local_plan(flights, prefills, decodes)
+
+    def _plan_from(self, outs: Sequence[object], flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
+                   decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:
+        by_id = {f.request_id: f for f in flights}
+        plan: list[tuple[InFlight, Outcome]] = []
+        for out in outs:
+            flight = by_id.pop(out.request_id, None)  # type: ignore[attr-defined]
+            if flight is None:
+                continue
+            if isinstance(out, Refusal):
+                plan.append((flight, refusal_error(out)))
+                continue
+            self._assigned[flight.request_id] = (out.prefill_worker, out.decode_worker)  # type: ignore[attr-defined]
+            try:
+                plan.append((flight, self._choice(flight.resume_request(), out.prefill_worker,  # type: ignore[attr-defined]
+                                                  out.decode_worker, prefills, decodes)))  # type: ignore[attr-defined]
+            except NoWorkers as e:
+                plan.append((flight, e))
+        if by_id:  # the scheduler did not answer for them (cannot happen unless it is a newer version)
+            plan.extend(self._local_plan(list(by_id.values()), prefills, decodes))
+        return plan
+
+    def _local_plan(self, flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
+                    decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:
+        """The scheduler's recovery ordering, computed here from the tenants' SLOs."""
+        now = time.time()
+        journal, unknown = Journal(), []
+        by_id = {f.request_id: f for f in flights}
+        for flight in flights:
+            st = flight_state(flight)
+            tenant = self._tenants.get(st.desc.tenant, now)
+            if tenant is None:
+                unknown.append(flight)
+                continue
+            entry = JournalEntry.for_request(st.desc, tenant.cfg.slo, self._batch_deadline_s, seed=st.seed)
+            entry.num_output_tokens, entry.first_token_time = st.num_output_tokens, st.first_token_time
+            entry.decode_worker = _DEAD
+            journal.add(entry)
+        ordered = [by_id[e.request_id] for e in journal.recovery_plan(_DEAD, now)] + unknown
+        plan: list[tuple[InFlight, Outcome]] = []
+        for flight in ordered:
+            try:
+                plan.append((flight, self.local.place(flight.resume_request(), prefills, decodes)))
+            except NoWorkers as e:
+                plan.append((flight, e))
+        return plan
+
+    # ---- notifications (never block, never raise) -------------------------------------------
+
+    def on_placed(self, flight: InFlight) -> None:
+        assigned = self._assigned.get(flight.request_id)
+        same = (assigned is not None and assigned[1] == flight.decode
+                and (flight.prefill is None or assigned[0] == flight.prefill))
+        if not same:  # a fallback placement, or another decode worker than the chosen one
+            self._push(FlightEvent(EventKind.ADOPT, RequestId(flight.request_id), time.time(),
+                                   state=flight_state(flight)))
+            assert flight.decode is not None
+            self._assigned[flight.request_id] = (flight.prefill, flight.decode)
+
+    def on_stage(self, flight: InFlight, stage: str, t: float) -> None:
+        self._push(FlightEvent(EventKind.STAGE, RequestId(flight.request_id), t, stage=stage))
+
+    def on_tokens(self, flight: InFlight, num_tokens: int, t: float) -> None:
+        rid = flight.request_id
+        entry = self._token_times.get(rid)
+        if entry is None:
+            self._token_times[rid] = (len(self._events), [t] * num_tokens)
+            self._events.append(FlightEvent(EventKind.TOKENS, RequestId(rid)))
+        else:
+            entry[1].extend([t] * num_tokens)
+
+    def on_done(self, flight: InFlight, finished: bool, t: float) -> None:
+        rid = RequestId(flight.request_id)
+        kind = EventKind.FINISH if finished else EventKind.CANCEL
+        self._push(FlightEvent(kind, rid, t, num_output_tokens=len(flight.streamed)))
+        self._assigned.pop(rid, None)
+
+    def _push(self, event: FlightEvent) -> None:
+        self._seal(event.request_id)  # tokens so far go before this event, later ones after it
+        self._events.append(event)
+
+    def _seal(self, rid: str) -> None:
+        entry = self._token_times.pop(rid, None)
+        if entry is not None:
+            i, times = entry
+            self._events[i] = FlightEvent(EventKind.TOKENS, RequestId(rid), times[-1], times=tuple(times))
+
+    def _reindex_tokens(self) -> None:
+        where = {e.request_id: i for i, e in enumerate(self._events) if e.kind is EventKind.TOKENS}
+        self._token_times = {r: (where[r], times) for r, (_, times) in self._token_times.items() if r in where}
+
+    def _readopt(self, rids: Sequence[RequestId]) -> None:
+        flights = {f.request_id: f for f in (self._source.in_flight() if self._source else [])}
+        for rid in rids:
+            flight = flights.get(rid)
+            if flight is not None and flight.decode is not None:
+                self._push(FlightEvent(EventKind.ADOPT, rid, time.time(), state=flight_state(flight)))
+
+    def _take_events(self) -> list[FlightEvent]:
+        for rid in list(self._token_times):
+            self._seal(rid)
+        events, self._events = self._events, []
+        return events
+
+    # ---- the reporter: heartbeats, events, restarts ------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _mark_down(self, error: BaseException) -> None:
+        if self.available:
+            logger.warning("scheduler actor unavailable (%s: %s); placing locally", type(error).__name__, error)
+        self._down_until = time.monotonic() + self.cfg.down_backoff_s
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._reporter is None or self._reporter.done():
+            if self._loop is not loop:
+                self._loop, self._ready = loop, asyncio.Event()
+            self._reporter = asyncio.ensure_future(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.report_once()
+            except Exception:  # noqa: BLE001 - the reporter must outlive any one bad round
+                logger.exception("scheduler report failed")
+            await asyncio.sleep(self.cfg.report_interval_s)
+
+    async def report_once(self) -> None:
+        """One round: loads and pending events to the actor; a rebuild if it asks for one."""
+        loads = await self._source.loads() if self._source is not None else {}
+        now = time.time()
+        descs = [worker_load(w, now, self.cfg.block_size) for w in loads.values()]
+        events = self._take_events()
+        if events:
+            self._pending.append((next(self._seq), events))
+        if len(self._pending) > self.cfg.max_pending_batches:
+            drop = len(self._pending) - self.cfg.max_pending_batches
+            self.stats.num_dropped_batches += drop
+            del self._pending[:drop]
+        try:
+            ack = await asyncio.wait_for(self.actor.report.remote(self.cfg.client_id, list(self._pending), descs),
+                                         self.cfg.call_timeout_s)
+        except (RayError, asyncio.TimeoutError) as e:
+            self.stats.num_report_failures += 1
+            self._mark_down(e)
+            return
+        self.stats.num_reports += 1
+        self._pending = [(s, b) for s, b in self._pending if s > ack.applied_seq]
+        if ack.incarnation != self.stats.incarnation:
+            if self.stats.incarnation is not None:
+                self.stats.num_restarts_seen += 1
+                logger.warning("scheduler actor restarted (%s -> %s)", self.stats.incarnation, ack.incarnation)
+            self.stats.incarnation = ack.incarnation
+        if ack.expired:
+            logger.warning("scheduler expired queued requests %s", list(ack.expired))
+        if ack.needs_rebuild:
+            # Everything not applied is superseded by the states taken now, in the same step.
+            self._pending.clear()
+            self._take_events()
+            # Requests still being admitted are left out: their submit journals them.
+            flights = [f for f in (self._source.in_flight() if self._source is not None else []) if f.decode]
+            states = [flight_state(f) for f in flights]
+            self._assigned = {f.request_id: (f.prefill, f.decode) for f in flights if f.decode is not None}
+            try:
+                await asyncio.wait_for(self.actor.rebuild.remote(self.cfg.client_id, states, descs),
+                                       self.cfg.call_timeout_s)
+            except (RayError, asyncio.TimeoutError) as e:
+                self._mark_down(e)
+                return
+            self.stats.num_rebuilds += 1
+            self.stats.num_rebuilt_requests = len(states)
+        self._down_until = 0.0
+        self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        reporter = self._reporter
+        if reporter is not None and not reporter.done() and not reporter.get_loop().is_closed():
+            reporter.get_loop().call_soon_threadsafe(reporter.cancel)
