@@ -5,8 +5,10 @@ Mental model: each endpoint owns one NIXL agent, two pre-registered staging aren
 and one worker thread; the worker is the only thread that touches the agent, so NIXL's
 thread-unsafe default mode is fine. A `send` copies each shard into send staging (caller thread,
 overlapping the worker's transfers), asks the receiver for room (REQ), WRITEs into the room it is
-granted, and returns when every WRITE is done. NIXL hands the receiver a DATA notification after
-the bytes; `recv` copies the shard out and frees its room. See nixl_wire.py for the messages.
+granted (in segments, so copying and writing overlap), and returns when every WRITE is done. NIXL
+hands the receiver a DATA notification after each WRITE's bytes; once a shard is whole, `recv`
+hands out a view of it in receive staging, and releasing that Delivery frees the room for the
+next shards. See nixl_wire.py for the messages.
 
 Failures, as measured on these machines (../shared/NOTES-transfer.md): a dead peer makes
 `transfer`/`check_xfer_state`/`send_notif` raise within milliseconds, so while a send waits the
@@ -124,6 +126,8 @@ class NixlTransport:
         self._call(self._ep.drop_peer, peer, "removed by the caller", True)
 
     def send(self, peer: str, shards: Sequence[Buffer], *, tag: int = 0, timeout_s: float) -> SendStats:
+        if self._closed:
+            raise PeerGone(f"transport {self.name} is closed")
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         views = [as_bytes_view(s) for s in shards]

@@ -109,6 +109,30 @@ def test_shards_bigger_than_the_receivers_room_flow_through_it(sender: NixlTrans
         sender.remove_peer("small")
 
 
+def test_concurrent_sends_from_many_threads_arrive_whole_by_tag(sender: NixlTransport, receiver: Peer) -> None:
+    kvs = {tag: make_kv(num_blocks=40, seed=tag) for tag in range(1, 5)}
+    receiver.request("recv", 4 * 3, 30.0)
+    errors: list[BaseException] = []
+
+    def send(tag: int) -> None:
+        try:
+            sender.send("receiver", encode(kvs[tag], LAYOUT, num_shards=3, transfer_id=tag), tag=tag, timeout_s=30.0)
+        except BaseException as e:  # reported below: a thread must not swallow it
+            errors.append(e)
+
+    threads = [threading.Thread(target=send, args=(tag,)) for tag in kvs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40.0)
+    found = receiver.read(40.0)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for tag, kv in kvs.items():
+        assert torch.equal(assemble([f for f in found if f[2] == tag]), kv)
+    assert sender.stats().peers["receiver"].sends >= 4
+    assert_idle(sender, 17 * MIB)
+
+
 def test_corruption_version_and_layout_are_caught_on_the_receiver(sender: NixlTransport, receiver: Peer) -> None:
     shard = encode(make_kv(num_blocks=2), LAYOUT)[0]
     foreign = encode(torch.zeros(6, 2, 2, 4, 2, 16), KVLayout("other-model", 6, 2, 16, 4))[0]
