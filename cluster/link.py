@@ -13,11 +13,16 @@ depend on the actor being up, and the actor's view is rebuilt from the ingress's
 
 Recoveries ask the actor for its plan (most urgent remaining SLO budget first); without it the
 same ordering (`Journal.recovery_plan`) is computed here from the tenants' SLOs.
+
+A request's SLO class is its tenant's, unless the caller downgraded it to batch: the HTTP layer
+sets `slo_class_override` (a context variable, so it follows the request's task) from the
+`x-ferry-slo-class: batch` header.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -34,14 +39,16 @@ from actors.recovery import InFlight
 from cluster.adapters import flight_state, refusal_error, request_desc, worker_load
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestId, WorkerName
-from cluster.flights import EventKind, FlightEvent
+from cluster.descriptors import RequestId, SloClass, WorkerName
+from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.journal import Journal, JournalEntry
 from cluster.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
 Outcome = PlacementChoice | BaseException
 _DEAD = WorkerName("~dead")  # where the local recovery plan files the victims
+
+slo_class_override: contextvars.ContextVar[SloClass | None] = contextvars.ContextVar("ferry_slo_class", default=None)
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class SchedulerPlacement:
         self.stats = LinkStats()
         self._source: FlightSource | None = None
         self._assigned: dict[str, tuple[str | None, str]] = {}  # the scheduler's (prefill, decode)
+        self._classes: dict[str, SloClass] = {}  # requests downgraded by their caller
         self._events: list[FlightEvent] = []  # not sent yet; TOKENS entries are filled at flush
         self._token_times: dict[str, tuple[int, list[float]]] = {}  # rid -> (index in _events, times)
         self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
@@ -107,6 +115,9 @@ class SchedulerPlacement:
     async def admit(self, req: GenerationRequest, prefills: Sequence[WorkerLoad],
                     decodes: Sequence[WorkerLoad]) -> PlacementChoice:
         self._start()
+        slo_class = slo_class_override.get()
+        if slo_class is not None:
+            self._classes[req.request_id] = slo_class
         if self.available:
             try:
                 await asyncio.wait_for(self._ready.wait(), self.cfg.ready_timeout_s)
@@ -114,7 +125,7 @@ class SchedulerPlacement:
                 pass
         if self.available:
             try:
-                out = await asyncio.wait_for(self.actor.submit.remote(request_desc(req), req.seed),
+                out = await asyncio.wait_for(self.actor.submit.remote(request_desc(req, slo_class), req.seed),
                                              self.cfg.admit_timeout_s)
             except (RayError, asyncio.TimeoutError) as e:
                 self._mark_down(e)
@@ -150,7 +161,7 @@ class SchedulerPlacement:
         self._token_times = {r: v for r, v in self._token_times.items() if r not in victims}
         self._reindex_tokens()
         if self.available:
-            states = [flight_state(f) for f in flights]
+            states = [self._state(f) for f in flights]
             try:
                 outs = await asyncio.wait_for(
                     self.actor.recover.remote(self.cfg.client_id, sorted(dead), states), self.cfg.call_timeout_s)
@@ -190,7 +201,7 @@ class SchedulerPlacement:
         journal, unknown = Journal(), []
         by_id = {f.request_id: f for f in flights}
         for flight in flights:
-            st = flight_state(flight)
+            st = self._state(flight)
             tenant = self._tenants.get(st.desc.tenant, now)
             if tenant is None:
                 unknown.append(flight)
@@ -216,7 +227,7 @@ class SchedulerPlacement:
                 and (flight.prefill is None or assigned[0] == flight.prefill))
         if not same:  # a fallback placement, or another decode worker than the chosen one
             self._push(FlightEvent(EventKind.ADOPT, RequestId(flight.request_id), time.time(),
-                                   state=flight_state(flight)))
+                                   state=self._state(flight)))
             assert flight.decode is not None
             self._assigned[flight.request_id] = (flight.prefill, flight.decode)
 
@@ -237,6 +248,10 @@ class SchedulerPlacement:
         kind = EventKind.FINISH if finished else EventKind.CANCEL
         self._push(FlightEvent(kind, rid, t, num_output_tokens=len(flight.streamed)))
         self._assigned.pop(rid, None)
+        self._classes.pop(rid, None)
+
+    def _state(self, flight: InFlight) -> FlightState:
+        return flight_state(flight, self._classes.get(flight.request_id))
 
     def _push(self, event: FlightEvent) -> None:
         self._seal(event.request_id)  # tokens so far go before this event, later ones after it
@@ -257,7 +272,7 @@ class SchedulerPlacement:
         for rid in rids:
             flight = flights.get(rid)
             if flight is not None and flight.decode is not None:
-                self._push(FlightEvent(EventKind.ADOPT, rid, time.time(), state=flight_state(flight)))
+                self._push(FlightEvent(EventKind.ADOPT, rid, time.time(), state=self._state(flight)))
 
     def _take_events(self) -> list[FlightEvent]:
         for rid in list(self._token_times):
@@ -325,7 +340,7 @@ class SchedulerPlacement:
             self._take_events()
             # Requests still being admitted are left out: their submit journals them.
             flights = [f for f in (self._source.in_flight() if self._source is not None else []) if f.decode]
-            states = [flight_state(f) for f in flights]
+            states = [self._state(f) for f in flights]
             self._assigned = {f.request_id: (f.prefill, f.decode) for f in flights if f.decode is not None}
             try:
                 await asyncio.wait_for(self.actor.rebuild.remote(self.cfg.client_id, states, descs),

@@ -3,16 +3,21 @@
 Mental model: one ingress deployment owns HTTP (the OpenAI app from deploy/openai) and, in its
 constructor, starts the data plane it talks to: prefix-cache store actors, decode actors, prefill
 actors wired to every decode endpoint (or colocated actors), all with fractional CPUs so the
-embedded default fits a 2-core machine. The same builder serves `serve run deploy/serve.yaml`,
-`ferry serve` and Python callers; `args` is the YAML config as a dict (see deploy/config.py).
+embedded default fits a 2-core machine; and, when disaggregated, the scheduler actor (cluster/)
+that admits and places every request and plans recoveries. The same builder serves
+`serve run deploy/serve.yaml`, `ferry serve` and Python callers; `args` is the YAML config as a
+dict (see deploy/config.py), whose `scheduler` section (deploy/scheduler_config.py) is split off
+and validated here.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
@@ -20,10 +25,15 @@ from actors.engine.tokenizer import Tokenizer
 from actors.engine.fetch import resolve_model
 from actors.pd_client import PDClient
 from actors.ray_actors import RemoteColocated, start_pd
+from cluster.actor import start_scheduler
+from cluster.config import SchedulerConfig
+from cluster.descriptors import SloClass
+from cluster.link import SchedulerPlacement, slo_class_override
 from deploy.cluster_backend import ClusterBackend, LocalOnly
-from deploy.config import AppConfig, load_config
+from deploy.config import AppConfig, ConfigError, load_config
 from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
+from deploy.scheduler_config import SchedulerSection
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +42,11 @@ logger = logging.getLogger(__name__)
                   health_check_timeout_s=60)
 @serve.ingress()
 class FerryIngress:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], scheduler: dict[str, Any] | None = None) -> None:
         self.cfg = AppConfig.model_validate(config)
+        self.scheduler_cfg = SchedulerSection.model_validate(scheduler or {})
+        self._scheduler: Any = None
+        self._placement: SchedulerPlacement | None = None
         cfg = self.cfg
         if cfg.loopback_only:
             bind_replica_grpc_to_loopback()
@@ -54,19 +67,68 @@ class FerryIngress:
                 cache=cfg.to_cache_config(), num_cache=cfg.prefix_cache.num_stores, torch_threads=threads,
                 name_prefix="ferry",
             )
-            client = self._deployment.client(cfg.to_client_config())
+            if self.scheduler_cfg.enabled:
+                sched = self.scheduler_cfg.to_scheduler_config()
+                self._scheduler = _fresh_scheduler(sched, self.scheduler_cfg.actor_name)
+                self._placement = SchedulerPlacement(
+                    self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
+            client = self._deployment.client(cfg.to_client_config(), self._placement)
         max_len = cfg.engine.max_model_len or _context_of(path)
         self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
         logger.info("ferry ingress up: %s mode, model %s", cfg.mode, cfg.model)
 
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
-        return build_api(self.backend, self.cfg.api)
+        app = build_api(self.backend, self.cfg.api)
+        app.add_middleware(SloClassHeader)
+        return app
 
     def __del__(self) -> None:
+        if self._placement is not None:
+            self._placement.close()
+        if self._scheduler is not None:
+            ray.kill(self._scheduler, no_restart=True)
         if self._deployment is not None:
             self._deployment.shutdown()
         for actor in self._colocated.values():
             ray.kill(actor, no_restart=True)
+
+
+class SloClassHeader:
+    """ASGI middleware: `x-ferry-slo-class: batch` runs the request as batch work (it fills idle
+    capacity and has a completion deadline instead of TTFT/TPOT targets). A tenant may downgrade
+    its own requests, never upgrade them: any other value is ignored."""
+
+    HEADER = b"x-ferry-slo-class"
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            values = [v for k, v in scope.get("headers", ()) if k.lower() == self.HEADER]
+            if values and values[-1].strip().lower() == b"batch":
+                token = slo_class_override.set(SloClass.BATCH)
+                try:
+                    await self.app(scope, receive, send)
+                finally:
+                    slo_class_override.reset(token)
+                return
+        await self.app(scope, receive, send)
+
+
+def _fresh_scheduler(cfg: SchedulerConfig, name: str, timeout_s: float = 30.0) -> Any:
+    """The named scheduler actor, new: one left by an earlier ingress (whose requests died with
+    it) is killed first, so no stale in-flight requests or configuration carry over."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            old = ray.get_actor(name)
+        except ValueError:  # the name is free
+            return start_scheduler(cfg, name=name)
+        ray.kill(old, no_restart=True)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the old scheduler actor {name!r} did not go away in {timeout_s:g}s")
+        time.sleep(0.1)
 
 
 def _model_name(spec: str) -> str:
@@ -82,5 +144,11 @@ def _context_of(path: Any) -> int:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Validates the config (errors name the bad field) and binds the ingress. Works from Python,
     from `serve run deploy/apps:build_app` / `serve run deploy/serve.yaml`, and from `ferry serve`."""
-    cfg = load_config(args or {})
-    return FerryIngress.bind(cfg.model_dump(mode="json"))
+    args = dict(args or {})
+    try:
+        scheduler = SchedulerSection.model_validate(args.pop("scheduler", None) or {})
+    except ValidationError as e:
+        problems = "; ".join(f"scheduler.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"config: {problems}") from None
+    cfg = load_config(args)
+    return FerryIngress.bind(cfg.model_dump(mode="json"), scheduler.model_dump(mode="json"))

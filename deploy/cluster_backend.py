@@ -2,13 +2,16 @@
 
 Mental model: the ingress owns HTTP; this turns one validated request into a `GenerationRequest`
 (seed resolved, tenant salt set) and streams the decode actor's `RequestOutput` deltas back through
-`PDClient`, which owns placement, deadlines and aborts. Closing the stream early aborts the request
-on its worker (PDClient fires the abort without awaiting, as the Backend contract requires).
+`PDClient`, which owns placement, deadlines, recovery and aborts. Closing the stream early aborts
+the request on its worker (PDClient fires the abort without awaiting, as the Backend contract
+requires). The scheduler's refusals reach HTTP here: over budget or SLO as `Refused` (429 with
+Retry-After), an unknown tenant 403, a request too large 413, no healthy worker 503.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -18,8 +21,9 @@ from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest, WorkerLoad
 from actors.pd_client import NoCapacity, PDClient
-from actors.placement import NoWorkers, PlacementChoice
+from actors.placement import NoWorkers, PlacementChoice, PlacementRefused
 from deploy.openai.backend import Refused
+from deploy.openai.errors import ApiError
 from deploy.openai.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
@@ -72,6 +76,8 @@ class ClusterBackend:
                 yield out
         except (NoCapacity, NoWorkers) as e:
             raise Refused(str(e), RETRY_AFTER_S) from e
+        except PlacementRefused as e:
+            raise _refusal(e) from e
         finally:
             if not started:
                 self.timelines.discard(request_id)
@@ -95,4 +101,18 @@ class ClusterBackend:
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
                           "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks}
                    for name, w in loads.items()}
-        return {"healthy": bool(workers) and all(w["healthy"] for w in workers.values()), "workers": workers}
+        report: dict[str, Any] = {"healthy": bool(workers) and all(w["healthy"] for w in workers.values()),
+                                  "workers": workers}
+        link = getattr(self.client.scheduled, "stats", None)
+        if link is not None:  # the scheduler actor is not on the request path: its state is detail only
+            report["scheduler"] = {"available": self.client.scheduled.available, **vars(link)}  # type: ignore[union-attr]
+        return report
+
+
+def _refusal(e: PlacementRefused) -> Exception:
+    """429s carry a Retry-After through `Refused`; the others are not a matter of waiting."""
+    if e.status == 429 and e.retry_after_s is not None:
+        return Refused(e.reason, e.retry_after_s)
+    headers = {} if e.retry_after_s is None else {"Retry-After": str(max(0, math.ceil(e.retry_after_s)))}
+    return ApiError(e.status, f"Request refused: {e.reason}. {e.detail}".strip(),
+                    type="server_error" if e.status >= 500 else "invalid_request_error", code=e.reason, headers=headers)

@@ -248,3 +248,23 @@ def test_a_resume_replays_tokens_whose_text_was_held_back_and_shows_them_once() 
     with pytest.raises(ReplayMismatch):
         g.on_event(_event("b~r1", (6,), "y", "y", (6,)))
     assert g.emitted_tokens == 1  # the next resume trusts every streamed token
+
+
+def test_the_slo_class_header_downgrades_a_request_to_batch_for_its_task_only() -> None:
+    from cluster.descriptors import SloClass
+    from cluster.link import slo_class_override
+    from deploy.apps import SloClassHeader
+
+    seen: list[object] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        seen.append(slo_class_override.get())
+
+    async def main() -> None:
+        mw = SloClassHeader(app)
+        for headers in ([(b"x-ferry-slo-class", b"Batch ")], [(b"x-ferry-slo-class", b"interactive")], []):
+            await mw({"type": "http", "headers": headers}, None, None)
+        await mw({"type": "lifespan"}, None, None)
+
+    asyncio.run(main())
+    assert seen == [SloClass.BATCH, None, None, None] and slo_class_override.get() is None

@@ -1,0 +1,77 @@
+"""The `scheduler:` section of a ferry app's config: tenants, their SLOs and budgets, admission.
+
+Pydantic with `extra="forbid"` at the boundary, converted to the frozen `cluster.config`
+dataclasses the scheduler takes (`to_scheduler_config`) and the ingress's link settings
+(`to_link_config`). Tenant names are the ones `api.api_keys` maps keys to. The defaults suit the
+embedded CPU deployment (loose targets, so a laptop does not refuse everything); a GPU cluster
+states real targets per tenant.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.admission import AdmissionConfig
+from cluster.config import SchedulerConfig
+from cluster.descriptors import TenantId
+from cluster.link import LinkConfig
+from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantSection(_Section):
+    slo_class: Literal["interactive", "batch"] = "interactive"
+    ttft_ms: float = Field(30_000.0, gt=0, description="interactive: P99 time to first token")
+    tpot_ms: float = Field(1_000.0, gt=0, description="interactive: P99 mean time per output token")
+    deadline_s: float = Field(3600.0, gt=0, description="batch: completion deadline after arrival")
+    weight: float = Field(1.0, gt=0, description="share of the cluster under contention")
+    max_tokens_per_s: float | None = Field(None, gt=0)
+    burst_tokens: float | None = Field(None, gt=0)
+    max_concurrency: int | None = Field(None, ge=1)
+    queue_timeout_s: float = Field(30.0, gt=0)
+
+    def to_tenant_config(self, name: str) -> TenantConfig:
+        slo = (InteractiveSlo(self.ttft_ms, self.tpot_ms) if self.slo_class == "interactive"
+               else BatchSlo(self.deadline_s))
+        return TenantConfig(TenantId(name), weight=self.weight, slo=slo, max_tokens_per_s=self.max_tokens_per_s,
+                            burst_tokens=self.burst_tokens, max_concurrency=self.max_concurrency,
+                            queue_timeout_s=self.queue_timeout_s)
+
+
+class SchedulerSection(_Section):
+    enabled: bool = Field(True, description="false: place requests locally by load, no scheduler actor")
+    tenants: dict[str, TenantSection] = Field(default_factory=dict)
+    default_tenant: TenantSection | None = Field(
+        TenantSection(), description="the contract of tenants not listed; null refuses them (403)")
+    slo_admission: bool = True
+    slo_refuse_factor: float = Field(2.0, ge=1.0, description="refuse when predicted to miss by this factor")
+    fairness: bool = True
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    batch_deadline_s: float = Field(3600.0, gt=0, description="deadline of requests downgraded to batch")
+    admit_timeout_s: float = Field(2.0, gt=0, description="a placement decision; past it, placed locally")
+    report_interval_s: float = Field(0.1, gt=0)
+    actor_name: str = "ferry-scheduler"
+
+    @model_validator(mode="after")
+    def _check(self) -> "SchedulerSection":
+        for name in self.tenants:
+            if not name:
+                raise ValueError("tenants: a tenant name is empty")
+        return self
+
+    def to_scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            tenants=tuple(t.to_tenant_config(n) for n, t in sorted(self.tenants.items())),
+            default_tenant=None if self.default_tenant is None else self.default_tenant.to_tenant_config("default"),
+            admission=AdmissionConfig(slo_refuse_factor=self.slo_refuse_factor),
+            heartbeat_timeout_s=self.heartbeat_timeout_s, batch_deadline_s=self.batch_deadline_s,
+            slo_admission=self.slo_admission, fairness=self.fairness)
+
+    def to_link_config(self, block_size: int) -> LinkConfig:
+        return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,
+                          block_size=block_size)
