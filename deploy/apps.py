@@ -31,6 +31,7 @@ from cluster.descriptors import SloClass
 from cluster.link import SchedulerPlacement, slo_class_override
 from deploy.cluster_backend import ClusterBackend, LocalOnly
 from deploy.config import AppConfig, ConfigError, load_config
+from deploy.dashboard.monitoring import Monitoring
 from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
 from deploy.scheduler_config import SchedulerSection
@@ -75,10 +76,14 @@ class FerryIngress:
             client = self._deployment.client(cfg.to_client_config(), self._placement)
         max_len = cfg.engine.max_model_len or _context_of(path)
         self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
+        # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
+        self.monitoring = Monitoring(self.backend, slos={
+            name: t.to_tenant_config(name).slo for name, t in self.scheduler_cfg.tenants.items()})
         logger.info("ferry ingress up: %s mode, model %s", cfg.mode, cfg.model)
 
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
-        app = build_api(self.backend, self.cfg.api)
+        app = build_api(self.monitoring.backend, self.cfg.api)
+        self.monitoring.mount(app)
         app.add_middleware(SloClassHeader)
         return app
 

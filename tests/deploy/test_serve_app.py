@@ -133,3 +133,12 @@ def test_nothing_listens_beyond_loopback(served):
             and not line.split()[3].startswith(("127.", "[::1]", "::1", "[::ffff:127."))
             and any(f"pid={p}," in line for p in ours)]
     assert not wide, wide
+
+
+def test_dashboard_and_metrics_are_served(served):
+    import httpx2
+
+    page = httpx2.get(f"{served}/dashboard", timeout=30)
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    data = httpx2.get(f"{served}/dashboard/data", timeout=30).json()
+    assert data["workers"] and all(w["healthy"] for w in data["workers"])
