@@ -45,6 +45,26 @@ _RECENT = 4096  # prefill results kept for inspection
 _Outcome = PlacementChoice | BaseException
 
 
+_BACKGROUND: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
+
+
+def _discard(stream: Any, timeout_s: float = 120.0) -> None:
+    """Reads an abandoned stream to its end in the background, so its refs (failed with the
+    abort) are consumed instead of logged by Ray as unhandled errors."""
+    async def drain() -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for ref in stream:
+                    with contextlib.suppress(Exception):
+                        await ref
+        except Exception:  # noqa: BLE001 - the stream's end is all that matters
+            pass
+
+    task = asyncio.ensure_future(drain())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
 class PDClient:
     def __init__(self, prefills: Mapping[str, ActorHandle], decodes: Mapping[str, ActorHandle],
                  cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
@@ -162,6 +182,7 @@ class PDClient:
                     result = await self._bounded(pending, self.cfg.prefill_timeout_s, f"prefill of {rid}")
                 except BaseException:
                     self.decodes[decode].abort.remote(rid)  # frees the reservation at once
+                    _discard(stream)
                     raise
                 self._remember(replace(result, request_id=flight.request_id))
                 flight.phase = DECODING

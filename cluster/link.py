@@ -299,7 +299,10 @@ class SchedulerPlacement:
             self._reporter = asyncio.ensure_future(self._report_loop())
 
     async def _report_loop(self) -> None:
-        while not self._closed:
+        me = asyncio.current_task()
+        # `cancelling()`: Python 3.11's wait_for can swallow a cancellation that races with its
+        # result; the loop must still stop when its event loop shuts down.
+        while not self._closed and not (me is not None and me.cancelling()):
             try:
                 await self.report_once()
             except Exception:  # noqa: BLE001 - the reporter must outlive any one bad round

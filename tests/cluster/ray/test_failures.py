@@ -280,8 +280,11 @@ def test_prefill_worker_killed_while_prefilling(dep: Deployment) -> None:
     # already on the wire), and so was any placed there before its death was known ...
     assert caught & recovered
     assert all(r.dead == (target,) and r.num_streamed == 0 and r.prefill == dep.prefills[1] for r in records), records
-    keys = [slack_key(r, reqs) for r in records]  # ... least remaining TTFT budget first
-    assert keys == sorted(keys)
+    # ... least remaining TTFT budget first within each round (a request still being announced
+    # when the worker died fails a moment later, and forms the next round).
+    for rnd in sorted({r.round for r in records}):
+        keys = [slack_key(r, reqs) for r in records if r.round == rnd]
+        assert keys == sorted(keys), [(r.round, r.request_id, tenant_of(r.request_id, reqs)) for r in records]
     assert_no_leaks(dep)
 
 
@@ -293,25 +296,20 @@ def test_scheduler_actor_killed_with_streams_in_flight(dep: Deployment) -> None:
     late = make_requests("sk-late", [14, 27], seed=3100)  # submitted while the scheduler is down
     want = reference(dep.model, reqs + late)
     before = ray.get(dep.scheduler.service_stats.remote(), timeout=30)
-    fallback_before = dep.link.stats.num_fallback
+    placed_before = dep.link.stats.num_fallback + dep.link.stats.num_admitted
 
     async def main() -> tuple[dict[str, Stream], list[str]]:
-        late_streams: dict[str, Stream] = {}
+        late_run: list[asyncio.Future[dict[str, Stream]]] = []
 
         def strike(streams: dict[str, Stream]) -> bool:
             if any(len(s.events) < 5 for s in streams.values()):
                 return False
-            ray.kill(dep.scheduler, no_restart=False)  # Ray restarts it (max_restarts=-1)
+            ray.kill(dep.scheduler, no_restart=False)  # Ray restarts it (max_restarts=-1) in seconds
+            late_run.append(asyncio.ensure_future(run_with_failure(dep, late, lambda _: True)))
             return True
 
-        async def late_ones() -> None:
-            while dep.link.available:
-                await asyncio.sleep(0.005)
-            late_streams.update(await run_with_failure(dep, late, lambda _: True))
-
-        first = asyncio.ensure_future(run_with_failure(dep, reqs, strike))
-        await asyncio.wait_for(late_ones(), 120)
-        streams = {**await first, **late_streams}
+        streams = await run_with_failure(dep, reqs, strike)
+        streams.update(await late_run[0])
         # The link's reporter runs on this loop: let it see the restart, rebuild, and report the ends.
         await async_wait_until(lambda: dep.link.stats.num_restarts_seen >= 1 and dep.link.stats.num_rebuilds >= 2,
                                60, "the restart to be seen")
@@ -325,7 +323,9 @@ def test_scheduler_actor_killed_with_streams_in_flight(dep: Deployment) -> None:
     streams, in_flight = asyncio.run(main())
     assert_same_as_failure_free(streams, want)
     assert dep.new_records() == []  # nothing to recover: no worker died
-    assert dep.link.stats.num_fallback >= fallback_before + len(late)  # placed locally meanwhile
+    # Placed while the actor was away (locally) or by its new incarnation: never refused or lost.
+    placed = dep.link.stats.num_fallback + dep.link.stats.num_admitted
+    assert placed == placed_before + len(reqs) + len(late)
 
     # The restarted actor was rebuilt from the ingress's in-flight list, then saw them finish.
     assert in_flight == []

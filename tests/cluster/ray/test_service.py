@@ -268,3 +268,55 @@ def test_the_slo_class_header_downgrades_a_request_to_batch_for_its_task_only() 
 
     asyncio.run(main())
     assert seen == [SloClass.BATCH, None, None, None] and slo_class_override.get() is None
+
+
+class _Down:
+    """A scheduler actor handle whose every call fails the way a restarting actor's does."""
+
+    def __getattr__(self, method: str) -> object:
+        from types import SimpleNamespace
+
+        from ray.exceptions import RayError
+
+        async def fail(*args: object) -> None:
+            raise RayError(f"{method}: the actor is restarting")
+
+        return SimpleNamespace(remote=fail)
+
+
+class _Source:
+    def __init__(self, flights: list[InFlight], lds: list[ActorLoad]) -> None:
+        self.flights, self.lds = flights, lds
+
+    def in_flight(self) -> list[InFlight]:
+        return self.flights
+
+    async def loads(self) -> dict[str, ActorLoad]:
+        return {w.name: w for w in self.lds}
+
+
+def test_without_the_actor_requests_are_placed_locally_and_adopted_later() -> None:
+    from cluster.link import LinkConfig
+
+    lds = [ActorLoad("p0", "prefill", 0, 0, 0, 100, 100, 0.0, True), ActorLoad("d0", "decode", 0, 0, 0, 100, 100, 0.0, True)]
+
+    async def main() -> tuple[PlacementChoice, SchedulerPlacement, InFlight]:
+        link = SchedulerPlacement(_Down(), LinkConfig(ready_timeout_s=0.5, report_interval_s=0.05),  # type: ignore[arg-type]
+                                  config())
+        flight = InFlight(request("a"))
+        link.attach(_Source([flight], lds))
+        t0 = time.monotonic()
+        choice = await link.admit(flight.req, lds[:1], lds[1:])
+        assert time.monotonic() - t0 < 2.0  # bounded: the data path never waits on a dead actor
+        flight.place(choice.prefill, choice.decodes[0], PREFILLING)
+        link.on_placed(flight)
+        link.close()
+        return choice, link, flight
+
+    choice, link, flight = asyncio.run(main())
+    assert choice == PlacementChoice("p0", ("d0",))
+    assert link.stats.num_fallback == 1 and not link.available
+    # The truth is queued for the actor (an ADOPT), kept until an ack, superseded by a rebuild.
+    events = [e for _, batch in link._pending for e in batch] + link._events
+    adopt = [e for e in events if e.kind is EventKind.ADOPT]
+    assert adopt and adopt[-1].state is not None and adopt[-1].state.prefill_worker == "p0"
