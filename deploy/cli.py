@@ -59,9 +59,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deploy.local import loopback_env
 
     loopback_env()  # before anything imports ray: it reads these at import time
-    from deploy.config import load_config
+    from deploy.config import load_config, read_args
 
-    cfg = load_config(args.config)  # validate before starting anything
+    raw = read_args(args.config)
+    cfg = load_config(raw)  # validate before starting anything
     print(f"starting ferry ({cfg.mode}, model {cfg.model}) on a local Ray cluster ...", file=sys.stderr, flush=True)
     from ray import serve
 
@@ -70,7 +71,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     urls = start_local(http_port=args.port)
     t0 = time.perf_counter()
-    serve.run(build_app(cfg.model_dump(mode="json")), name="ferry", route_prefix="/", blocking=False)
+    serve.run(build_app(raw), name="ferry", route_prefix="/", blocking=False)
     key_hint = ' -H "Authorization: Bearer <key>"' if cfg.api.auth_required else ""
     print(f"""ferry is up ({time.perf_counter() - t0:.0f}s)
   API        {urls.api}/v1  (OpenAI-compatible; docs at {urls.api}/docs)

@@ -109,8 +109,25 @@ class ConfigError(ValueError):
 
 
 def load_config(source: str | Path | dict[str, Any] | None) -> AppConfig:
-    """From a YAML file, a dict (Serve passes `args`), or None for the defaults."""
-    where = "config"
+    """From a YAML file, a dict (Serve passes `args`), or None for the defaults. The `scheduler`
+    section is validated by its own model (deploy/scheduler_config.py) in `build_app`."""
+    data = dict(read_args(source))
+    data.pop("scheduler", None)
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{_where(source)}: {problems}") from None
+
+
+def _where(source: object) -> str:
+    return "config" if source is None or isinstance(source, dict) else str(source)
+
+
+def read_args(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
+    """The app's args as a plain dict, unvalidated: from a ferry YAML, a Serve config file (the
+    args of its deploy.apps application), a dict, or None."""
+    where = _where(source)
     if source is None:
         data: Any = {}
     elif isinstance(source, dict):
@@ -128,8 +145,4 @@ def load_config(source: str | Path | dict[str, Any] | None) -> AppConfig:
         if len(apps) != 1:
             raise ConfigError(f"{where}: expected exactly one application with import_path deploy.apps:build_app")
         data = apps[0].get("args") or {}
-    try:
-        return AppConfig.model_validate(data)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"{where}: {problems}") from None
+    return data
