@@ -7,7 +7,7 @@ Importing this module imports neither NIXL nor Ray: the factory does, for the ki
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +44,10 @@ def resolve_kind(kind: TransportKind) -> TransportKind:
         return kind
     if nixl_available():
         return "nixl"
-    if importlib.util.find_spec("ray") is not None:
-        import ray
-
-        if ray.is_initialized():
-            return "object_store"
+    # Ray stays out of this module: a process inside a Ray deployment has imported it already.
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return "object_store"
     return "local"
 
 

@@ -8,8 +8,6 @@ so tests can read exactly what reached the metrics through HTTP."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
@@ -17,8 +15,6 @@ from pathlib import Path
 
 import httpx2
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
@@ -30,6 +26,7 @@ from deploy.dashboard import SloTargets
 from deploy.dashboard.monitoring import Monitoring
 from deploy.openai import ApiConfig, EngineBackend, Refused, build_api
 from tests.deploy.monitoring.fake_metrics import Recorded, install
+from tests.server_thread import ServerThread
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-t": "throttled"}
 NUM_BLOCKS = 64
@@ -44,30 +41,6 @@ class RefusingBackend(EngineBackend):
             raise Refused("tenant_over_budget", 2.0)
         async for out in super().generate(request_id, prompt_token_ids, params, tenant=tenant):
             yield out
-
-
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> from a daemon thread."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
 
 
 @dataclass
@@ -89,7 +62,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     app = build_api(monitoring.backend, ApiConfig(api_keys=KEYS))
     monitoring.mount(app)
     try:
-        with ServerThread(app) as server:
+        with ServerThread(app, lifespan="on") as server:
             yield Served(server.base_url, monitoring, engine, recorded)
     finally:
         async_engine.shutdown()
