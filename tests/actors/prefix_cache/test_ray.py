@@ -31,6 +31,19 @@ class HungStore(PrefixCacheStore):
         return 0
 
 
+def _wait_dead(ray: ModuleType, actor: object, timeout_s: float = 30.0) -> None:
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.stats_dict.remote(), timeout=5)  # type: ignore[attr-defined]
+        except RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def test_pool_over_actors_survives_a_killed_actor(ray_cluster: ModuleType, tmp_path: Path) -> None:
     ray = ray_cluster
     from actors.prefix_cache.actor import start_store_actors
@@ -54,6 +67,7 @@ def test_pool_over_actors_survives_a_killed_actor(ray_cluster: ModuleType, tmp_p
         first_victim = next(i for i, h in enumerate(CHAIN) if pool.owner(h) == victim)
         survivor_keys = [h for h in CHAIN if pool.owner(h) == survivor]
         ray.kill(handles[victim].actor, no_restart=True)
+        _wait_dead(ray, handles[victim].actor)  # ray.kill is asynchronous: a call right after may still land
 
         start = time.monotonic()
         assert pool.match_prefix(CHAIN) == first_victim  # misses, not an exception
