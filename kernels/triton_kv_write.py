@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_quant import quantize_rows_int8
+from kernels.triton_validate import check_kv_scales
 from kernels.triton_support import (
     FLOAT_KV_DTYPES, check_device, check_dtype, check_last_dim_contiguous, check_shape, next_pow2,
 )
@@ -92,18 +93,7 @@ def write_kv_triton(
         raise ValueError("k_cache and v_cache must share strides")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
-    if kv_int8:
-        if k_scale is None or v_scale is None:
-            raise ValueError("int8 KV cache needs k_scale and v_scale")
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check_shape(name, s, (num_blocks, block_size, num_kv_heads))
-            check_dtype(name, s, (torch.float32,))
-            check_last_dim_contiguous(name, s)
-        if k_scale.stride() != v_scale.stride():
-            raise ValueError("k_scale and v_scale must share strides")
-        tensors += [k_scale, v_scale]
-    else:
-        k_scale = v_scale = k_cache  # unused placeholders; KV_INT8=False prunes every access
+    k_scale, v_scale = check_kv_scales(kv_int8, k_cache, k_scale, v_scale, tensors)
     check_device(*tensors)
     if head_dim != next_pow2(head_dim):
         raise ValueError(f"head_dim {head_dim} must be a power of two")

@@ -52,17 +52,27 @@ def check_paged_kv(
     if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
         raise ValueError("block_tables rows and seq_lens must be contiguous")
     tensors = [query, k_cache, v_cache, block_tables, seq_lens]
-    if kv_int8:
-        if k_scale is None or v_scale is None:
-            raise ValueError("int8 KV cache needs k_scale and v_scale")
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check_shape(name, s, (num_blocks, block_size, num_kv_heads))
-            check_dtype(name, s, (torch.float32,))
-            check_last_dim_contiguous(name, s)
-        if k_scale.stride() != v_scale.stride():
-            raise ValueError("k_scale and v_scale must share strides")
-        tensors += [k_scale, v_scale]
-    else:
-        k_scale = v_scale = k_cache
+    k_scale, v_scale = check_kv_scales(kv_int8, k_cache, k_scale, v_scale, tensors)
     check_device(*tensors)
     return kv_int8, k_scale, v_scale
+
+
+def check_kv_scales(
+    kv_int8: bool, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 KV: the per-(token, head) scale caches must match the cache's [blocks, block_size,
+    heads] and share strides; they join `tensors` for the device check. Float KV: the cache itself
+    stands in for both (the kernels' KV_INT8=False prunes every access to them)."""
+    if not kv_int8:
+        return k_cache, k_cache
+    if k_scale is None or v_scale is None:
+        raise ValueError("int8 KV cache needs k_scale and v_scale")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_shape(name, s, tuple(k_cache.shape[:3]))
+        check_dtype(name, s, (torch.float32,))
+        check_last_dim_contiguous(name, s)
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share strides")
+    tensors += [k_scale, v_scale]
+    return k_scale, v_scale
