@@ -27,7 +27,7 @@ from actors.engine.engine import Engine
 from actors.engine.fetch import cached_model_path
 from actors.engine.tiny_model import write_tiny_model
 from actors.semantic_cache.embedder import shared_minilm
-from actors.semantic_cache.worker import SemanticCacheWorker
+from actors.semantic_cache.service import SemanticCacheService, ServiceConfig
 from bench.common import format_table, median, print_json, progress
 from deploy.openai import ApiConfig, EngineBackend, build_api
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
@@ -77,8 +77,9 @@ def _ask(base_url: str, model: str, text: str, max_tokens: int) -> tuple[float, 
 
 def run_round(backend: EngineBackend, threshold: float, max_tokens: int) -> dict[str, Any]:
     settings = SemanticCacheSettings(threshold=threshold)
-    worker = SemanticCacheWorker(settings.cache_config(), shared_minilm(), folder=None)
-    glue = SemanticGlue(settings, worker)
+    service = SemanticCacheService.open(settings.cache_config(), ServiceConfig(folder=None), shared_minilm())
+    worker = service.worker
+    glue = SemanticGlue(settings, service)
     cfg = ApiConfig(auth_required=False)
     hit_ms: list[float] = []
     miss_ms: list[float] = []

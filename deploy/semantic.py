@@ -1,15 +1,17 @@
 """The semantic cache as the HTTP layer sees it: who opts in, lookup before admission, insert after.
 
-Mental model: the app asks `SemanticGlue.lookup` before it hands a request to the backend. A request
+Mental model: the app asks `SemanticGlue.consult` before it hands a request to the backend. A request
 takes part only when its tenant is listed in the settings or it sends `x-ferry-semantic-cache: on`
 (`off` opts a listed tenant's request out), its sampling is greedy (unless `allow_sampling`), and it
 asks for no logprobs (a cached answer has none to give). Its partition key is (served model,
 tenant, endpoint + every sampling parameter), so nothing crosses tenants, models or parameters. A hit
 becomes a one-output backend stream (the renderer serves it streamed or not, unchanged) and the
 response carries `x-ferry-cache: semantic` and `x-ferry-cache-similarity`; the engine never sees it.
-A miss wraps the backend stream so the finished answer is inserted, off the request's path. Lookups
-from concurrent requests are gathered for `batch_window_ms` and embedded in one forward. Any cache
-failure is logged and served as a miss: the cache may not break serving.
+A miss wraps the backend stream so the finished answer is inserted, off the request's path. The
+cache itself is any `SemanticCache` (actors/semantic_cache/service.py): in-process without Ray
+(`from_settings`), the store actor on Ray (deploy/apps.py); either batches concurrent lookups into
+one embedding forward. Any cache failure is logged and served as a miss: the cache may not break
+serving. `close` (at the app's shutdown) waits for inserts in flight, then saves.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,10 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.semantic_cache import CachedResponse, CacheKey, SemanticCacheConfig
+from actors.semantic_cache.service import ServiceConfig
 
 if TYPE_CHECKING:
     from fastapi import Request, Response
-    from actors.semantic_cache.worker import Lookup, SemanticCacheWorker
+    from actors.semantic_cache.service import SemanticCache
+    from actors.semantic_cache.stats import SemanticCacheStats
+    from actors.semantic_cache.worker import Lookup
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +43,6 @@ OPT_IN_HEADER = "x-ferry-semantic-cache"
 CACHE_HEADER = "x-ferry-cache"
 SIMILARITY_HEADER = "x-ferry-cache-similarity"
 Stream = AsyncGenerator[RequestOutput, None]
-Query = tuple[CacheKey, str]
 
 
 class SemanticCacheSettings(BaseModel):
@@ -54,49 +58,27 @@ class SemanticCacheSettings(BaseModel):
     max_entries: int = Field(10_000, ge=1, description="Hard bound over all tenants, pinned included.")
     allow_sampling: bool = Field(False, description="Also cache requests with temperature > 0.")
     folder: str | None = Field(None, description="Where the index is saved; default $FERRY_HOME/semantic_cache.")
+    save_interval_s: float | None = Field(60.0, gt=0, description="Save this often while anything changed "
+                                                                   "(null: only every 64 inserts and at shutdown).")
     batch_window_ms: float = Field(2.0, ge=0, description="How long a lookup waits for others to batch with.")
+    timeout_s: float = Field(5.0, gt=0, description="Deadline of each call to the cache actor; late is a miss.")
 
     def cache_config(self) -> SemanticCacheConfig:
         return SemanticCacheConfig(threshold=self.threshold, half_life_s=self.half_life_s,
                                    score_floor=self.score_floor, max_entries=self.max_entries)
+
+    def service_config(self) -> ServiceConfig:
+        from actors.semantic_cache.persist import default_cache_dir
+
+        folder = Path(self.folder).expanduser() if self.folder else default_cache_dir()
+        return ServiceConfig(folder=folder, save_interval_s=self.save_interval_s,
+                             batch_window_s=self.batch_window_ms / 1000)
 
 
 def params_key(endpoint: str, params: SamplingParams) -> str:
     # Every field, so any difference (max_tokens, stop, seed, penalties) is a different partition.
     fields = ",".join(f"{f.name}={getattr(params, f.name)!r}" for f in dataclasses.fields(params))
     return f"{endpoint}|{fields}"
-
-
-class LookupBatcher:
-    """Gathers lookups for a short window and runs them as one `lookup_many` in a thread."""
-
-    def __init__(self, run: Callable[[list[Query]], list[Lookup]], window_s: float) -> None:
-        self._run = run
-        self._window_s = window_s
-        self._pending: list[tuple[Query, asyncio.Future[Lookup]]] = []
-        self._flusher: asyncio.Task[None] | None = None
-
-    async def submit(self, query: Query) -> Lookup:
-        future: asyncio.Future[Lookup] = asyncio.get_running_loop().create_future()
-        self._pending.append((query, future))
-        if self._flusher is None:
-            self._flusher = asyncio.ensure_future(self._flush())
-        return await future
-
-    async def _flush(self) -> None:
-        await asyncio.sleep(self._window_s)
-        batch, self._pending, self._flusher = self._pending, [], None
-        try:
-            results = await asyncio.to_thread(self._run, [q for q, _ in batch])
-        except Exception as e:
-            results = [e] * len(batch)  # type: ignore[list-item]
-        for (_, future), result in zip(batch, results):
-            if future.done():
-                continue  # its request was cancelled meanwhile
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
 
 
 @dataclass(frozen=True)
@@ -110,20 +92,19 @@ class Consulted:
 
 
 class SemanticGlue:
-    def __init__(self, settings: SemanticCacheSettings, worker: SemanticCacheWorker) -> None:
+    def __init__(self, settings: SemanticCacheSettings, cache: SemanticCache) -> None:
         self.settings = settings
-        self.worker = worker
-        self._batcher = LookupBatcher(worker.lookup_many, settings.batch_window_ms / 1000)
+        self.cache = cache
         self._inserts: set[asyncio.Task[Any]] = set()
 
     @classmethod
     def from_settings(cls, settings: SemanticCacheSettings) -> "SemanticGlue":
+        """The cache in this process (no Ray): the process's one MiniLM, reloading the folder."""
         from actors.semantic_cache.embedder import shared_minilm
-        from actors.semantic_cache.persist import default_cache_dir
-        from actors.semantic_cache.worker import SemanticCacheWorker
+        from actors.semantic_cache.service import SemanticCacheService
 
-        folder = Path(settings.folder).expanduser() if settings.folder else default_cache_dir()
-        return cls(settings, SemanticCacheWorker(settings.cache_config(), shared_minilm(), folder=folder))
+        return cls(settings, SemanticCacheService.open(settings.cache_config(), settings.service_config(),
+                                                       shared_minilm()))
 
     def wants(self, request: Request, params: SamplingParams, tenant: str) -> bool:
         choice = request.headers.get(OPT_IN_HEADER, "").strip().lower()
@@ -138,7 +119,7 @@ class SemanticGlue:
             return None
         key = CacheKey(model, tenant, params_key(endpoint, params))
         try:
-            lookup = await self._batcher.submit((key, text))
+            [lookup] = await self.cache.lookup_many([(key, text)])
         except Exception:
             logger.exception("semantic cache lookup failed; serving as a miss")
             return Consulted(key, text, None)
@@ -162,7 +143,7 @@ class SemanticGlue:
 
         async def insert() -> None:
             try:
-                await asyncio.to_thread(self.worker.insert, consulted.key, consulted.text, response, vector=vector)
+                await self.cache.insert(consulted.key, consulted.text, response, vector)
             except Exception:
                 logger.exception("semantic cache insert failed")
 
@@ -174,6 +155,17 @@ class SemanticGlue:
         """Waits for inserts in flight (tests, shutdown)."""
         while self._inserts:
             await asyncio.gather(*list(self._inserts), return_exceptions=True)
+
+    async def stats(self) -> SemanticCacheStats:
+        return await self.cache.stats()
+
+    async def close(self) -> None:
+        """At shutdown: lets the inserts in flight land, then saves (logged, never raised)."""
+        await self.drain()
+        try:
+            await self.cache.close()
+        except Exception:
+            logger.exception("semantic cache not saved at shutdown")
 
     @staticmethod
     def mark(response: Response, consulted: Consulted | None) -> Response:

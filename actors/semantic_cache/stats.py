@@ -2,7 +2,9 @@
 
 Mental model: counters only grow (lookups, hits, inserts, evictions by reason); `size` and
 `num_pinned` are the present state; the histogram counts the best similarity each lookup found,
-hit or miss, so an operator can see how close misses came to the threshold before moving it.
+hit or miss, so an operator can see how close misses came to the threshold before moving it. The
+embedding counters come from the worker, not the store: texts embedded over forwards run is the
+mean batch size, which shows whether concurrent lookups really share a forward.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class SemanticCacheStats:
     num_refused_full: int = 0  # inserts refused: every entry pinned and the cache full
     size: int = 0
     num_pinned: int = 0
+    num_embed_batches: int = 0  # embedding forwards run (lookups and inserts without a vector)
+    num_embedded: int = 0  # texts embedded over those forwards
     similarity_histogram: list[int] = field(default_factory=lambda: [0] * len(SIMILARITY_EDGES))
 
     @property

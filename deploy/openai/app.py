@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Security
@@ -89,6 +91,19 @@ def _name(request: Request, prefix: str) -> str:
     return request.state.request_id
 
 
+def _close_at_shutdown(app: FastAPI, close: Callable[[], Awaitable[None]]) -> None:
+    """Runs `close()` when the app's lifespan ends (uvicorn with lifespan on, Serve's replicas)."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with inner(a) as state:
+            yield state
+        await close()
+
+    app.router.lifespan_context = lifespan
+
+
 def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None = None) -> FastAPI:
     served = list(cfg.served_model_names) or [backend.model_name]
     strings = TokenStrings(backend.tokenizer)
@@ -103,6 +118,8 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
     if semantic is None and cfg.semantic_cache is not None:
         semantic = SemanticGlue.from_settings(cfg.semantic_cache)  # loads the embedding model once
     app.state.semantic = semantic
+    if semantic is not None:
+        _close_at_shutdown(app, semantic.close)  # a clean stop saves the cache
 
     async def serve(request: Request, prep: Prepared, renderer: Renderer, text: str | None = None) -> Response:
         # Semantic cache (deploy/semantic.py), before admission: a hit replaces the backend's stream

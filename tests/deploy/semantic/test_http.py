@@ -22,7 +22,7 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import write_tiny_model
 from actors.semantic_cache.embedder import shared_minilm
-from actors.semantic_cache.worker import SemanticCacheWorker
+from actors.semantic_cache.service import SemanticCacheService
 from deploy.openai import ApiConfig, EngineBackend, build_api
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
 from tests.server_thread import ServerThread
@@ -59,9 +59,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     engine = Engine.from_pretrained(model_dir, EngineConfig(num_blocks=64))
     async_engine = AsyncEngine(engine)
     backend = CountingBackend(async_engine, "tiny")
-    settings = SemanticCacheSettings(threshold=THRESHOLD, tenants=["tenant-c"], batch_window_ms=1)
-    worker = SemanticCacheWorker(settings.cache_config(), shared_minilm(), folder=tmp_path_factory.mktemp("sc"))
-    glue = SemanticGlue(settings, worker)
+    settings = SemanticCacheSettings(threshold=THRESHOLD, tenants=["tenant-c"], batch_window_ms=1,
+                                     folder=str(tmp_path_factory.mktemp("sc")))
+    glue = SemanticGlue(settings, SemanticCacheService.open(settings.cache_config(), settings.service_config(),
+                                                            shared_minilm()))
     cfg = ApiConfig(api_keys=KEYS, default_max_tokens=6)
     try:
         with ServerThread(build_api(backend, cfg, semantic=glue)) as server:
@@ -84,8 +85,9 @@ def chat(served: Served, text: str, *, key: str = "key-a", opt_in: bool = True, 
 
 def wait_size(served: Served, size: int) -> None:
     deadline = time.monotonic() + 30  # inserts run after the answer, in a thread
-    while served.glue.worker.stats().size < size:
-        assert time.monotonic() < deadline, served.glue.worker.stats()
+    worker = served.glue.cache.worker  # type: ignore[attr-defined]
+    while worker.stats().size < size:
+        assert time.monotonic() < deadline, worker.stats()
         time.sleep(0.05)
 
 
