@@ -3,8 +3,10 @@
 Mental model: one ingress deployment owns HTTP (the OpenAI app from deploy/openai) and, in its
 constructor, starts the data plane it talks to: prefix-cache store actors, decode actors, prefill
 actors wired to every decode endpoint (or colocated actors), all with fractional CPUs so the
-embedded default fits a 2-core machine; and, when disaggregated, the scheduler actor (cluster/)
-that admits and places every request and plans recoveries. The same builder serves
+embedded default fits a 2-core machine; when disaggregated, the scheduler actor (cluster/)
+that admits and places every request and plans recoveries; and, when `api.semantic_cache` is set,
+the semantic-cache store actor (actors/semantic_cache/actor.py), which reloads its saved entries on
+start and saves them again when the ingress shuts down. The same builder serves
 `serve run deploy/serve.yaml`, `ferry serve` and Python callers; `args` is the YAML config as a
 dict (see deploy/config.py), whose `scheduler` section (deploy/scheduler_config.py) is split off
 and validated here.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -25,8 +28,8 @@ from actors.engine.tokenizer import Tokenizer
 from actors.engine.fetch import resolve_model
 from actors.pd_client import PDClient
 from actors.ray_actors import RemoteColocated, start_pd
+from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
 from cluster.actor import start_scheduler
-from cluster.config import SchedulerConfig
 from cluster.descriptors import SloClass
 from cluster.link import SchedulerPlacement, slo_class_override
 from deploy.cluster_backend import ClusterBackend, LocalOnly
@@ -35,8 +38,11 @@ from deploy.dashboard.monitoring import Monitoring
 from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
 from deploy.scheduler_config import SchedulerSection
+from deploy.semantic import SemanticCacheSettings, SemanticGlue
 
 logger = logging.getLogger(__name__)
+
+SEMANTIC_CACHE_ACTOR = "ferry-semantic-cache"
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256,
@@ -48,9 +54,13 @@ class FerryIngress:
         self.scheduler_cfg = SchedulerSection.model_validate(scheduler or {})
         self._scheduler: Any = None
         self._placement: SchedulerPlacement | None = None
+        self._semantic_actor: Any = None
+        self.semantic: SemanticGlue | None = None
         cfg = self.cfg
         if cfg.loopback_only:
             bind_replica_grpc_to_loopback()
+        if cfg.api.semantic_cache is not None:
+            self.semantic = self._start_semantic(cfg.api.semantic_cache)
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
         self.tokenizer = Tokenizer.load(path)
         worker_cfg = cfg.to_worker_config()
@@ -70,7 +80,9 @@ class FerryIngress:
             )
             if self.scheduler_cfg.enabled:
                 sched = self.scheduler_cfg.to_scheduler_config()
-                self._scheduler = _fresh_scheduler(sched, self.scheduler_cfg.actor_name)
+                name = self.scheduler_cfg.actor_name
+                self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name),
+                                               lambda old: ray.kill(old, no_restart=True))
                 self._placement = SchedulerPlacement(
                     self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
             client = self._deployment.client(cfg.to_client_config(), self._placement)
@@ -78,11 +90,20 @@ class FerryIngress:
         self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
         self.monitoring = Monitoring(self.backend, slos={
-            name: t.to_tenant_config(name).slo for name, t in self.scheduler_cfg.tenants.items()})
+            name: t.to_tenant_config(name).slo for name, t in self.scheduler_cfg.tenants.items()},
+            semantic=self.semantic)
         logger.info("ferry ingress up: %s mode, model %s", cfg.mode, cfg.model)
 
+    def _start_semantic(self, settings: SemanticCacheSettings) -> SemanticGlue:
+        """The store actor, fresh (it reloads what the last one saved), behind the HTTP glue."""
+        self._semantic_actor = _fresh_actor(
+            SEMANTIC_CACHE_ACTOR,
+            lambda: start_semantic_cache(settings.cache_config(), settings.service_config(), name=SEMANTIC_CACHE_ACTOR),
+            stop_semantic_cache)
+        return SemanticGlue(settings, RaySemanticCache(self._semantic_actor, settings.timeout_s))
+
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
-        app = build_api(self.monitoring.backend, self.cfg.api)
+        app = build_api(self.monitoring.backend, self.cfg.api, semantic=self.semantic)
         self.monitoring.mount(app)
         app.add_middleware(SloClassHeader)
         return app
@@ -96,6 +117,8 @@ class FerryIngress:
             self._deployment.shutdown()
         for actor in self._colocated.values():
             ray.kill(actor, no_restart=True)
+        if self._semantic_actor is not None:
+            stop_semantic_cache(self._semantic_actor)  # saves first: the next ingress reloads it
 
 
 class SloClassHeader:
@@ -121,18 +144,23 @@ class SloClassHeader:
         await self.app(scope, receive, send)
 
 
-def _fresh_scheduler(cfg: SchedulerConfig, name: str, timeout_s: float = 30.0) -> Any:
-    """The named scheduler actor, new: one left by an earlier ingress (whose requests died with
-    it) is killed first, so no stale in-flight requests or configuration carry over."""
+def _fresh_actor(name: str, start: Callable[[], Any], stop: Callable[[Any], None], timeout_s: float = 30.0) -> Any:
+    """`start()`ed under `name` once the name is free: an actor left there by an earlier ingress
+    is `stop`ped first (the scheduler's requests died with that ingress; the semantic cache saves
+    its entries for the new one to reload), so no stale state or configuration carries over."""
+    try:
+        old = ray.get_actor(name)
+    except ValueError:  # the name is free
+        return start()
+    stop(old)
     deadline = time.monotonic() + timeout_s
-    while True:
+    while True:  # ray.kill is asynchronous: the name frees a little later
         try:
-            old = ray.get_actor(name)
-        except ValueError:  # the name is free
-            return start_scheduler(cfg, name=name)
-        ray.kill(old, no_restart=True)
+            ray.get_actor(name)
+        except ValueError:
+            return start()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the old scheduler actor {name!r} did not go away in {timeout_s:g}s")
+            raise TimeoutError(f"the old actor {name!r} did not go away in {timeout_s:g}s")
         time.sleep(0.1)
 
 

@@ -6,9 +6,12 @@ Two recorders, each owning its instruments:
   it) and every refusal: latency histograms per tenant, token and request counters, the prefill
   worker's stage times and transfer bytes (deploy/dashboard/monitoring.py's `MeteredBackend` feeds it).
 - `ClusterMetricsExporter` is fed periodic `ClusterSnapshot`s (worker loads, engine, prefix-pool,
-  transport and scheduler stats; whatever the caller can read). Loads become gauges; cumulative
-  counters in the stats become Prometheus counters by adding the increase since the previous
-  snapshot (a counter that went backwards means its worker restarted: see window.py).
+  transport, scheduler and semantic-cache stats; whatever the caller can read). Loads become
+  gauges; cumulative counters in the stats become Prometheus counters by adding the increase since
+  the previous snapshot (a counter that went backwards means its worker restarted: see window.py).
+  The semantic cache's similarity histogram arrives as cumulative bucket counts with the same
+  edges as the Prometheus histogram; each bucket's increase is observed at its upper edge, which
+  lands in that very bucket (`le` is inclusive).
 Ray exports each name as `ray_<name>` (counters `_total`, histograms `_bucket`/`_sum`/`_count`:
 `exported_names()`, what deploy/grafana/ferry.json queries); a histogram's `_sum` is computed from
 bucket midpoints, so SLO views use quantiles over buckets. Outside Ray the instruments record
@@ -28,6 +31,7 @@ from ray.util import metrics as ray_metrics
 from actors.engine.output import EngineStats
 from actors.messages import WorkerLoad
 from actors.prefix_cache.stats import PrefixCacheStats
+from actors.semantic_cache.stats import SIMILARITY_EDGES, SemanticCacheStats
 from cluster.stats import SchedulerStats
 from deploy.dashboard.records import RequestRecord, record_from_timeline
 from deploy.dashboard.window import counter_increase
@@ -89,12 +93,22 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_scheduler_refusals", _C, "Requests the cluster scheduler refused, by reason.", ("reason",)),
     ("ferry_scheduler_in_flight", _G, "Requests the scheduler placed and has not seen finish.", ()),
 )}
+SEMANTIC_METRICS = {name: MetricSpec(kind, text, tags, buckets) for name, kind, text, tags, buckets in (
+    ("ferry_semantic_lookups", _C, "Semantic cache lookups (requests that took part).", (), ()),
+    ("ferry_semantic_hits", _C, "Semantic cache lookups answered from the cache.", (), ()),
+    ("ferry_semantic_inserts", _C, "Finished answers stored in the semantic cache.", (), ()),
+    ("ferry_semantic_evictions", _C, "Semantic cache entries deleted, by reason: decay (score below the floor), "
+     "capacity (made room).", ("reason",), ()),
+    ("ferry_semantic_entries", _G, "Entries in the semantic cache, pinned included.", (), ()),
+    ("ferry_semantic_similarity", _H, "Best cosine similarity each semantic lookup found, hit or miss.", (),
+     SIMILARITY_EDGES),
+)}
 
 
 def exported_names() -> set[str]:
     """Every series name Ray's exporter produces for ferry's metrics."""
     out: set[str] = set()
-    for name, spec in {**REQUEST_METRICS, **CLUSTER_METRICS}.items():
+    for name, spec in {**REQUEST_METRICS, **CLUSTER_METRICS, **SEMANTIC_METRICS}.items():
         suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}[spec.kind]
         out.update(f"ray_{name}{s}" for s in suffixes)
     return out
@@ -179,21 +193,25 @@ class ClusterSnapshot:
     pool: PrefixCacheStats | None = None  # the pool's total over its stores
     transports: Sequence[TransportStats] = ()
     scheduler: SchedulerStats | None = None
+    semantic: SemanticCacheStats | None = None
 
 
 class ClusterMetricsExporter:
     """Sets gauges from, and adds counter increases of, each `ClusterSnapshot` it is given."""
 
     def __init__(self) -> None:
-        self._m = _instruments(CLUSTER_METRICS)
+        self._m = _instruments({**CLUSTER_METRICS, **SEMANTIC_METRICS})
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last total per series
         self._workers: dict[str, str] = {}  # every worker ever reported -> its kind
 
-    def _add_total(self, name: str, total: float, tags: dict[str, str] | None = None) -> None:
+    def _increase(self, name: str, total: float, tags: dict[str, str] | None = None) -> float:
         key = (name, tuple(sorted((tags or {}).items())))
         increase = counter_increase(self._totals.get(key), total)
         self._totals[key] = total
-        _inc(self._m[name], increase, tags or {})
+        return increase
+
+    def _add_total(self, name: str, total: float, tags: dict[str, str] | None = None) -> None:
+        _inc(self._m[name], self._increase(name, total, tags), tags or {})
 
     def export(self, snap: ClusterSnapshot) -> None:
         m = self._m
@@ -224,6 +242,8 @@ class ClusterMetricsExporter:
             self._transport(t)
         if snap.scheduler is not None:
             self._scheduler(snap.scheduler)
+        if snap.semantic is not None:
+            self._semantic(snap.semantic)
 
     def _transport(self, t: TransportStats) -> None:
         self._m["ferry_transfer_in_flight"].set(t.transfers_in_flight, {"transport": t.name})
@@ -249,3 +269,15 @@ class ClusterMetricsExporter:
             self._add_total("ferry_scheduler_refusals", n, {"reason": reason})
         self._m["ferry_scheduler_in_flight"].set(s.num_in_flight)
 
+    def _semantic(self, s: SemanticCacheStats) -> None:
+        self._add_total("ferry_semantic_lookups", s.num_lookups)
+        self._add_total("ferry_semantic_hits", s.num_hits)
+        self._add_total("ferry_semantic_inserts", s.num_inserts)
+        self._add_total("ferry_semantic_evictions", s.num_evicted_decay, {"reason": "decay"})
+        self._add_total("ferry_semantic_evictions", s.num_evicted_capacity, {"reason": "capacity"})
+        self._m["ferry_semantic_entries"].set(s.size)
+        histogram = self._m["ferry_semantic_similarity"]
+        for edge, count in zip(SIMILARITY_EDGES, s.similarity_histogram):
+            # Keyed by the edge (not a tag of the metric): the running total of one bucket.
+            for _ in range(int(self._increase("ferry_semantic_similarity", count, {"le": str(edge)}))):
+                histogram.observe(edge)

@@ -8,7 +8,9 @@ Mental model: the ingress builds one `Monitoring` around its HTTP backend.
   every `period_s` reads a `ClusterSnapshot` (the backend's worker loads, or its engine's stats)
   and hands it to the `ClusterMetricsExporter`. Serve runs the ASGI lifespan of an ingress app, so
   the task lives exactly as long as the replica serves; uvicorn runs it with `lifespan="on"`.
-A failed snapshot is logged and skipped; the next period tries again.
+  With a semantic cache (`semantic`: anything with `async stats()`), its stats join each snapshot.
+A failed snapshot is logged and skipped; the next period tries again. A semantic cache that does
+not answer only leaves its part out.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
+from actors.semantic_cache.stats import SemanticCacheStats
 from deploy.dashboard.provider import EngineSource, SloSource, TimelineDashboard, dashboard_for, load_of_engine
 from deploy.dashboard.routes import mount_dashboard
 from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot, RequestMetrics, refusal_reason
@@ -85,9 +88,14 @@ class MeteredBackend:
             logger.exception("cannot record metrics of %s", request_id)
 
 
+class SemanticStatsSource(Protocol):
+    async def stats(self) -> SemanticCacheStats: ...
+
+
 class Monitoring:
     def __init__(self, backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None, period_s: float = 5.0,
-                 window_s: float = 60.0, access_key: str | None = None) -> None:
+                 window_s: float = 60.0, access_key: str | None = None,
+                 semantic: SemanticStatsSource | None = None) -> None:
         assert period_s > 0
         self.request_metrics = RequestMetrics()
         self.exporter = ClusterMetricsExporter()
@@ -96,22 +104,34 @@ class Monitoring:
                                                          window_s=window_s)
         self.period_s = period_s
         self.access_key = access_key
+        self.semantic = semantic
 
     def mount(self, app: FastAPI) -> None:
         mount_dashboard(app, self.provider, access_key=self.access_key)
         run_in_lifespan(app, self.export_once, self.period_s)
 
     async def snapshot(self) -> ClusterSnapshot:
-        """What the ingress can read today: one engine's stats, or the `PDClient`'s worker loads.
-        Engine, pool and transport stats of remote workers join once the workers report them."""
+        """What the ingress can read today: one engine's stats, or the `PDClient`'s worker loads,
+        and the semantic cache's stats. Engine, pool and transport stats of remote workers join
+        once the workers report them."""
         source = self.provider.sources.loads
+        semantic = await self._semantic_stats()
         if isinstance(source, EngineSource):
             stats = await source.stats()
             load = load_of_engine(source.name, stats, healthy=source.async_engine.is_alive)
-            return ClusterSnapshot(loads=(load,), engines={source.name: stats})
+            return ClusterSnapshot(loads=(load,), engines={source.name: stats}, semantic=semantic)
         if source is not None:
-            return ClusterSnapshot(loads=tuple((await source.loads()).values()))
-        return ClusterSnapshot()
+            return ClusterSnapshot(loads=tuple((await source.loads()).values()), semantic=semantic)
+        return ClusterSnapshot(semantic=semantic)
+
+    async def _semantic_stats(self) -> SemanticCacheStats | None:
+        if self.semantic is None:
+            return None
+        try:
+            return await self.semantic.stats()
+        except Exception as e:  # the rest of the snapshot still counts
+            logger.warning("semantic cache stats unavailable: %r", e)
+            return None
 
     async def export_once(self) -> None:
         self.exporter.export(await self.snapshot())

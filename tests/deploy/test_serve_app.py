@@ -1,10 +1,15 @@
 """The whole app as users run it: Serve ingress + prefill, decode and cache actors on a local Ray
-cluster, driven with the `openai` client over 127.0.0.1."""
+cluster, driven with the `openai` client over 127.0.0.1; with the semantic cache on, its store
+actor answers opted-in requests, its figures reach Ray's Prometheus endpoint, and deleting the app
+saves its entries."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +18,7 @@ from deploy.config import ConfigError, load_config
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PORT = 8321
+SEMANTIC_THRESHOLD = 0.8
 
 
 def test_config_errors_name_the_field(tmp_path):
@@ -28,7 +34,12 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tiny_model_dir):
+def semantic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("semantic-cache")
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_model_dir, semantic_dir):
     from ray import serve
 
     from deploy.apps import build_app
@@ -38,6 +49,10 @@ def served(ray_cluster, tiny_model_dir):
         "model": str(tiny_model_dir), "engine": {"dtype": "float32", "kv_cache_mib": 4, "torch_threads": 1},
         "prefix_cache": {"num_stores": 1, "dram_mib": 8, "disk_mib": 0},
         "transfer": {"staging_mib": 8},
+        # Opt-in by header only, so the other tests never touch it; saved only at shutdown (no timer).
+        "api": {"auth_required": False,
+                "semantic_cache": {"folder": str(semantic_dir), "threshold": SEMANTIC_THRESHOLD,
+                                   "save_interval_s": None}},
     }
     serve.run(build_app(cfg), name="ferry-test", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 300
@@ -142,3 +157,89 @@ def test_dashboard_and_metrics_are_served(served):
     assert page.status_code == 200 and "<html" in page.text.lower()
     data = httpx2.get(f"{served}/dashboard/data", timeout=30).json()
     assert data["workers"] and all(w["healthy"] for w in data["workers"])
+
+
+def semantic_chat(url: str, text: str) -> Any:
+    import httpx2
+
+    body = {"model": "x", "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0}
+    body["model"] = httpx2.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx2.post(f"{url}/v1/chat/completions", json=body, headers={"x-ferry-semantic-cache": "on"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def semantic_actor() -> Any:
+    """The ingress's store actor, found by name in whatever namespace Serve gave the replica."""
+    import ray
+
+    from deploy.apps import SEMANTIC_CACHE_ACTOR
+
+    found = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == SEMANTIC_CACHE_ACTOR]
+    assert len(found) == 1, found
+    return ray.get_actor(SEMANTIC_CACHE_ACTOR, namespace=found[0]["namespace"])
+
+
+def wait_entries(actor: Any, size: int) -> Any:
+    import ray
+
+    deadline = time.monotonic() + 60  # inserts land after the answer
+    while (stats := ray.get(actor.stats.remote(), timeout=30)).size < size:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+    return stats
+
+
+def test_semantic_cache_answers_through_its_actor_and_shows_on_metrics(served):
+    import ray
+
+    from tests.deploy.monitoring.test_metrics_ray import scrape
+
+    actor = semantic_actor()
+    first = semantic_chat(served, "What is the capital of France?")
+    assert first.headers["x-ferry-cache"] == "miss"
+    wait_entries(actor, 1)
+    hit = semantic_chat(served, "Which city is the capital of France?")
+    assert hit.headers["x-ferry-cache"] == "semantic"
+    assert float(hit.headers["x-ferry-cache-similarity"]) >= SEMANTIC_THRESHOLD
+    assert hit.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert semantic_chat(served, "How do I change a flat tire?").headers["x-ferry-cache"] == "miss"
+    stats = wait_entries(actor, 2)
+    # The actor holds what the ingress asked: the app does not keep a cache of its own.
+    assert (stats.num_lookups, stats.num_hits, stats.num_inserts) == (3, 1, 2)
+
+    url = f"http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics"
+    want = {"ray_ferry_semantic_lookups_total": 3, "ray_ferry_semantic_hits_total": 1,
+            "ray_ferry_semantic_inserts_total": 2, "ray_ferry_semantic_entries": 2,
+            "ray_ferry_semantic_similarity_count": 2}  # the first lookup found an empty partition
+    deadline = time.monotonic() + 120  # the ingress exports every 5 s, Ray reports every 10 s
+    while True:
+        series = scrape(url)
+        got = {name: series.get((name, frozenset())) for name in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert got == want
+    assert series[("ray_ferry_semantic_similarity_bucket", frozenset({("le", "1.0")}))] == 2
+
+
+def test_deleting_the_app_saves_the_semantic_cache(served, semantic_dir):
+    import ray
+    from ray import serve
+
+    from actors.semantic_cache.persist import MANIFEST
+    from deploy.apps import SEMANTIC_CACHE_ACTOR
+
+    actor = semantic_actor()
+    size = ray.get(actor.stats.remote(), timeout=30).size
+    semantic_chat(served, "Why is the sky blue?")
+    wait_entries(actor, size + 1)
+    assert not (semantic_dir / MANIFEST).exists()  # no timer, under 64 inserts: nothing saved yet
+    serve.delete("ferry-test")  # the replica's shutdown: lifespan end (save), __del__ (save, kill)
+    manifest = json.loads((semantic_dir / MANIFEST).read_text())
+    prompts = [e["prompt"] for p in manifest["partitions"] for e in p["entries"]]
+    assert len(prompts) == size + 1 and "user: Why is the sky blue?" in prompts
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous
+    while SEMANTIC_CACHE_ACTOR in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
+        assert time.monotonic() < deadline, "the store actor outlived its app"
+        time.sleep(0.2)

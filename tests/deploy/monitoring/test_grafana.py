@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from deploy.metrics import CLUSTER_METRICS, REQUEST_METRICS, exported_names
+from deploy.metrics import CLUSTER_METRICS, REQUEST_METRICS, SEMANTIC_METRICS, exported_names
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "ferry.json"
 SERIES = re.compile(r"\bray_ferry_[a-z0-9_]+")
@@ -33,9 +33,9 @@ def test_every_query_names_an_exported_series() -> None:
 
 def test_every_declared_metric_has_a_panel() -> None:
     used = {name for e in queries(load()) for name in SERIES.findall(e)}
-    shown = {name for name in {**REQUEST_METRICS, **CLUSTER_METRICS}
-             if any(u.removeprefix("ray_").startswith(name) for u in used)}
-    assert set(REQUEST_METRICS) | set(CLUSTER_METRICS) == shown
+    declared = {**REQUEST_METRICS, **CLUSTER_METRICS, **SEMANTIC_METRICS}
+    shown = {name for name in declared if any(u.removeprefix("ray_").startswith(name) for u in used)}
+    assert set(declared) == shown
 
 
 def test_queries_are_well_formed() -> None:

@@ -17,9 +17,10 @@ from actors.engine.sampling import SamplingParams
 from actors.errors import NoCapacity
 from actors.messages import WorkerLoad
 from actors.prefix_cache.stats import PrefixCacheStats
+from actors.semantic_cache.stats import SIMILARITY_EDGES, SemanticCacheStats
 from cluster.stats import SchedulerStats
 from deploy import metrics
-from deploy.dashboard.monitoring import MeteredBackend
+from deploy.dashboard.monitoring import MeteredBackend, Monitoring
 from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot, RequestMetrics, exported_names, refusal_reason
 from deploy.openai.backend import Refused
 from deploy.openai.timeline import TimelineRecorder
@@ -123,6 +124,51 @@ def test_cluster_snapshots_set_gauges_and_add_counter_increases(rec: Recorded) -
     assert rec.total("ferry_prefix_hbm_hit_tokens", worker="d0") == 45
 
 
+def semantic(lookups: int, hits: int, decayed: int, size: int, histogram: list[int]) -> SemanticCacheStats:
+    return SemanticCacheStats(num_lookups=lookups, num_hits=hits, num_inserts=size + decayed,
+                              num_evicted_decay=decayed, num_evicted_capacity=1, size=size,
+                              similarity_histogram=histogram)
+
+
+def test_semantic_cache_stats_become_counters_a_gauge_and_a_similarity_histogram(rec: Recorded) -> None:
+    ex = ClusterMetricsExporter()
+    ex.export(ClusterSnapshot(semantic=semantic(10, 4, 2, 6, [1, 0, 2, 0, 0, 3, 0, 4])))
+    assert (rec.total("ferry_semantic_lookups"), rec.total("ferry_semantic_hits")) == (10, 4)
+    assert rec.total("ferry_semantic_inserts") == 8
+    assert [rec.total("ferry_semantic_evictions", reason=r) for r in ("decay", "capacity")] == [2, 1]
+    assert rec.gauge("ferry_semantic_entries") == 6
+    # Each bucket's count observed at its upper edge: (-inf, 0.5] once, (0.9, 0.95] never, (0.95, 1] 4 times.
+    assert rec.observed("ferry_semantic_similarity") == [0.5, 0.7, 0.7, 0.9, 0.9, 0.9, 1.0, 1.0, 1.0, 1.0]
+    # Next poll: only the increases; the cache restarted between (counters back to zero) counts whole.
+    ex.export(ClusterSnapshot(semantic=semantic(13, 5, 2, 7, [1, 0, 2, 0, 0, 3, 1, 5])))
+    assert rec.increments("ferry_semantic_lookups") == [10, 3] and rec.increments("ferry_semantic_evictions",
+                                                                                   reason="decay") == [2]
+    assert rec.observed("ferry_semantic_similarity")[10:] == [0.95, 1.0]
+    ex.export(ClusterSnapshot(semantic=semantic(2, 1, 0, 7, [0] * 7 + [1])))
+    assert rec.total("ferry_semantic_lookups") == 15 and rec.gauge("ferry_semantic_entries") == 7
+    assert rec.observed("ferry_semantic_similarity")[12:] == [1.0]
+    assert SIMILARITY_EDGES == tuple(metrics.SEMANTIC_METRICS["ferry_semantic_similarity"].boundaries)
+
+
+class Flaky:
+    def __init__(self) -> None:
+        self.fail = False
+
+    async def stats(self) -> SemanticCacheStats:
+        if self.fail:
+            raise TimeoutError("the cache actor is busy")
+        return semantic(3, 1, 0, 1, [0] * 8)
+
+
+def test_monitoring_snapshots_carry_the_semantic_cache_stats_when_it_answers() -> None:
+    source = Flaky()
+    monitoring = Monitoring(Scripted(), semantic=source)
+    assert asyncio.run(monitoring.snapshot()).semantic == semantic(3, 1, 0, 1, [0] * 8)
+    source.fail = True
+    assert asyncio.run(monitoring.snapshot()).semantic is None  # left out; the rest still exported
+    assert asyncio.run(Monitoring(Scripted()).snapshot()).semantic is None
+
+
 class Scripted:
     """An HTTP backend that streams three tokens 10 ms apart, or refuses some tenants."""
 
@@ -184,10 +230,11 @@ def test_metered_backend_records_finished_aborted_and_refused_requests(rec: Reco
 
 def test_every_declared_metric_is_created_and_named_as_ray_exports_it(rec: Recorded) -> None:
     RequestMetrics(), ClusterMetricsExporter()
-    assert set(rec.kinds) == set(metrics.REQUEST_METRICS) | set(metrics.CLUSTER_METRICS)
+    assert set(rec.kinds) == set(metrics.REQUEST_METRICS) | set(metrics.CLUSTER_METRICS) | set(metrics.SEMANTIC_METRICS)
     names = exported_names()
     assert {"ray_ferry_ttft_ms_bucket", "ray_ferry_refusals_total", "ray_ferry_kv_blocks"} <= names
     assert "ray_ferry_ttft_ms" not in names and "ray_ferry_kv_blocks_total" not in names
+    assert {"ray_ferry_semantic_hits_total", "ray_ferry_semantic_similarity_bucket", "ray_ferry_semantic_entries"} <= names
 
 
 OUTSIDE_RAY = """
