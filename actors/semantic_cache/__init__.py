@@ -2,7 +2,9 @@
 
 Mental model, bottom up: `entry` (keys, responses, decaying scores) <- `index` (one hnswlib cosine
 index per partition) <- `store` (partitions, threshold, decay, capacity, stats) <- `persist`
-(save/reload) <- `worker` (embedder + store) <- `actor` (Ray wrapper). Import `actor` only where Ray
+(save/reload) <- `worker` (embedder + store, synchronous) <- `service` (the async `SemanticCache`
+contract: lookups batched across callers by `batcher`, saves on a timer and on close) <- `actor`
+(the service as a Ray actor, and `RaySemanticCache` over its handle). Import `actor` only where Ray
 is wanted.
 """
 

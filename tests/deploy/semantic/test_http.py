@@ -1,7 +1,8 @@
 """The semantic cache through the real HTTP app: `build_api(EngineBackend(AsyncEngine(tiny model)))`
 served by uvicorn, the real MiniLM embedder, a cache folder under tmp. A paraphrase of an answered
 prompt comes back from the cache (header, similarity, same text) without any engine work; other
-tenants, sampled requests and requests that did not opt in go to the engine."""
+tenants, sampled requests and requests that did not opt in go to the engine. The cache `build_api`
+makes from the config is saved when the app stops and reloaded by the next one."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import write_tiny_model
 from actors.semantic_cache.embedder import shared_minilm
+from actors.semantic_cache.persist import MANIFEST
 from actors.semantic_cache.service import SemanticCacheService
 from deploy.openai import ApiConfig, EngineBackend, build_api
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
@@ -139,3 +141,20 @@ def test_threshold_outside_unit_interval_is_refused(threshold: float) -> None:
         ApiConfig(api_keys=KEYS, semantic_cache={"threshold": threshold})  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="extra"):
         SemanticCacheSettings(thresold=0.9)  # type: ignore[call-arg]
+
+
+def test_cache_from_the_config_is_saved_at_shutdown_and_reloaded(served: Served, tmp_path: Path) -> None:
+    # build_api's own in-process cache (no Ray): a clean stop (lifespan end) saves, a new app reloads.
+    settings = {"folder": str(tmp_path), "threshold": THRESHOLD, "save_interval_s": None, "batch_window_ms": 1}
+    cfg = ApiConfig(api_keys=KEYS, default_max_tokens=6, semantic_cache=settings)  # type: ignore[arg-type]
+    app = build_api(served.backend, cfg)
+    with ServerThread(app, lifespan="on") as server:
+        here = Served(server.base_url, served.backend, served.engine, app.state.semantic)
+        answer = chat(here, FIRST).json()["choices"][0]["message"]["content"]
+        wait_size(here, 1)
+        assert not (tmp_path / MANIFEST).exists()  # no timer, under 64 inserts: not saved yet
+    assert (tmp_path / MANIFEST).exists()
+    again = build_api(served.backend, cfg)
+    with ServerThread(again) as server:
+        r = chat(Served(server.base_url, served.backend, served.engine, again.state.semantic), PARAPHRASE)
+    assert r.headers["x-ferry-cache"] == "semantic" and r.json()["choices"][0]["message"]["content"] == answer
