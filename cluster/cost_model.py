@@ -161,6 +161,21 @@ def batch_cap(fixed_s: float, per_row_s: float, tpot_s: float, limit: int) -> in
     return max(1, min(limit, math.floor(room / per_row_s))) if room > 0 else 1
 
 
+def chunk_tokens(theta: tuple[float, ...], room_s: float, num_cached_tokens: float, limit: int) -> int:
+    """Largest prefill chunk n (tokens, at most `limit`) after `num_cached_tokens` whose added
+    step time theta1 * n + theta2 * n * (cached + n / 2) (scaled units, see `features`) fits in
+    `room_s`; 0 when there is no room."""
+    if room_s <= 0:
+        return 0
+    a = theta[2] * 0.5e-6  # quadratic in n: a n^2 + b n <= room
+    b = theta[1] * 1e-3 + theta[2] * num_cached_tokens * 1e-6
+    if a > 0:
+        n = (-b + math.sqrt(b * b + 4 * a * room_s)) / (2 * a)
+    else:
+        n = room_s / b if b > 0 else float(limit)
+    return max(0, min(limit, int(n)))
+
+
 class CostModelBank:
     """One `StepTimeModel` per worker, created from the shared prior on first sight."""
 

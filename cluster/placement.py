@@ -13,6 +13,11 @@ Mental model:
   placed there) wins, which spreads load. If none is feasible, an interactive request may take
   the place of running batch work (preemption, most slack first); otherwise it goes where the
   predicted wait for a free row is shortest, and admission judges whether that wait is tolerable.
+- Local prefill (`PlacementConfig.local_prefill`): a decode worker whose rows leave part of each
+  step unused under their TPOT target may prefill a request itself, in chunks filling that part,
+  and decode it in place; it is chosen when its predicted first token comes sooner than the best
+  prefill worker's. On a workload whose prompts outweigh its outputs this lends the decode GPUs'
+  spare compute to prefill, which a fixed prefill/decode split otherwise leaves idle.
 Ties break by worker name, so decisions are deterministic. Cost: O(workers) per decision.
 """
 
@@ -56,24 +61,43 @@ class Placement:
     num_pool_blocks: int = 0
     preempt: tuple[RequestId, ...] = ()
 
+    @property
+    def local(self) -> bool:
+        """Prefill runs on the decode worker itself (no KV handoff): a decode worker lending its
+        spare step time to prefill, or a colocated worker."""
+        return self.prefill_worker == self.decode_worker
+
 
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
     """`hash_block_size`: tokens per block hash in `RequestDesc.block_hashes`.
     `pool_fetch_s_per_block`: time to pull one such block from the shared pool.
-    `decode_tpot_safety`: the batch cap aims at this fraction of the tightest TPOT target."""
+    `decode_tpot_safety`: the batch cap aims at this fraction of the tightest TPOT target.
+    `local_prefill`: decode workers may also prefill requests they then decode, in chunks that
+    fill the step time their running rows leave under the TPOT target (`local_chunk_tokens`),
+    whenever that gives an earlier first token than the prefill workers; at most
+    `max_local_chunk_tokens` per step. Off by default: the data plane's decode engines chunk by
+    their own static token budget, so only the simulator sizes chunks by the scheduler's word."""
 
     hash_block_size: int = 16
     pool_fetch_s_per_block: float = 0.0
     decode_tpot_safety: float = 0.85
     default_output_tokens: int = 256
     max_num_seqs: int = 1024
+    local_prefill: bool = False
+    max_local_chunk_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.hash_block_size < 1 or self.pool_fetch_s_per_block < 0:
             raise ValueError("hash_block_size must be >= 1 and pool_fetch_s_per_block >= 0")
+        if self.max_local_chunk_tokens < 1:
+            raise ValueError("max_local_chunk_tokens must be >= 1")
         if not 0 < self.decode_tpot_safety <= 1:
             raise ValueError("decode_tpot_safety must be in (0, 1]")
+
+
+# A decode worker a row fits now: (worker, tightest TPOT target, step seconds per row, step).
+Fit = tuple[WorkerView, "float | None", float, float]
 
 
 @dataclass(slots=True)
@@ -110,11 +134,11 @@ class PlacementPolicy:
         self.models = models
         self.index = index
 
-    def choose_prefill(self, num_tokens: int, hashes: tuple[int, ...], rank: int,
+    def choose_prefill(self, num_tokens: int, matches: dict[WorkerName, int], rank: int,
                        workers: list[WorkerView]) -> PrefillChoice | None:
-        """Best prefill worker for computing `num_tokens` tokens whose full blocks hash to
-        `hashes`, for work of class `rank` (0 interactive, 1 batch)."""
-        matches = self.index.match(hashes) if hashes else {}
+        """Best prefill worker for computing `num_tokens` tokens, for work of class `rank` (0
+        interactive, 1 batch); `matches` is the prefix index's answer for the request's block
+        hashes (leading blocks each holder has)."""
         pool_hit = matches.get(POOL, 0)
         hbs, fetch_per_block = self.cfg.hash_block_size, self.cfg.pool_fetch_s_per_block
         min_step = self.models.prior.min_step_s
@@ -143,39 +167,90 @@ class PlacementPolicy:
         wait, fetch, hit, pool_blocks = best_parts
         return PrefillChoice(best, wait, fetch, best_ttft - wait - fetch, hit, pool_blocks)
 
+    def _row_fit(self, w: WorkerView, tpot_s: float | None, total_tokens: int,
+                 context_tokens: int) -> tuple[float | None, float, float, bool]:
+        """(tightest TPOT target with this request's, step time per row, predicted step with one
+        more row and everything committed, whether the row and its KV fit `w` now)."""
+        t = w.model.theta  # inlined step-time model: this is the hot path
+        tight = w.tpot_targets.min()
+        if tpot_s is not None and (tight is None or tpot_s < tight):
+            tight = tpot_s
+        ctx = w.mean_context_tokens
+        if ctx is None:
+            ctx = w.active_context_tokens / w.num_active if w.num_active else float(context_tokens)
+        per_row = t[3] * 1e-2 + t[4] * ctx * 1e-5
+        rows = w.num_active + 1
+        # Rows fit iff the step with one more row stays within the tightest target (the batch
+        # cap, `batch_cap`, without solving for it); a lone row always fits.
+        rows_ok = rows <= w.max_num_seqs and (
+            tight is None or rows == 1 or t[0] + per_row * rows <= self.cfg.decode_tpot_safety * tight)
+        step = t[0] + per_row * (rows + w.num_committed)
+        if step < self.models.prior.min_step_s:
+            step = self.models.prior.min_step_s
+        free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
+        fits = rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size)
+        return tight, per_row, step, fits
+
+    def choose_local(self, num_tokens: int, matches: dict[WorkerName, int], rank: int, feasible: list[Fit],
+                     beat_s: float = math.inf) -> tuple[PrefillChoice, DecodeChoice] | None:
+        """Best decode worker to prefill `num_tokens` itself and then decode them, by predicted
+        first-token time, among the `feasible` ones (`choose_decode` lists them: those the row
+        and its KV fit now). Its steps keep running its rows; a prefill chunk fills what is left
+        of each step under the tightest TPOT target (`room`), so the prefill's compute `work` is
+        spread over max(1, work / room) steps of `base` seconds each. Only the worker's own
+        prefix cache counts (a decode worker does not fetch from the pool). Only a first token
+        sooner than `beat_s` counts."""
+        safety, hbs, max_chunk = self.cfg.decode_tpot_safety, self.cfg.hash_block_size, self.cfg.max_local_chunk_tokens
+        best: tuple[WorkerView, float, float, float, int] | None = None
+        for w, tight, per_row, step in feasible:
+            wait = w.backlog_s[0] if rank == 0 else w.backlog_s[0] + w.backlog_s[1]
+            if w.ttft_bias_s > 0:
+                wait += w.ttft_bias_s
+            if wait >= beat_s:
+                continue
+            t = w.model.theta
+            hit = matches.get(w.name, 0) if matches else 0
+            cached = min(hit * hbs, num_tokens - 1)
+            new = num_tokens - cached
+            work = t[1] * new * 1e-3 + t[2] * new * (cached + new * 0.5) * 1e-6
+            base = t[0] + per_row * (w.num_active + w.num_committed)
+            steps = new / max_chunk
+            if tight is not None:
+                room = safety * tight - base
+                if room <= 0:
+                    continue
+                steps = max(steps, work / room)
+            compute = (steps if steps > 1.0 else 1.0) * base + work
+            if wait + compute < beat_s:
+                beat_s, best = wait + compute, (w, wait, compute, step, hit)
+        if best is None:
+            return None
+        w, wait, compute, step, hit = best
+        return PrefillChoice(w, wait, 0.0, compute, hit, 0), DecodeChoice(w, step, 0.0)
+
     def choose_decode(self, tpot_s: float | None, interactive: bool, total_tokens: int, context_tokens: int,
-                      expected_output: int, workers: list[WorkerView]) -> DecodeChoice | None:
+                      expected_output: int, workers: list[WorkerView],
+                      feasible: list[Fit] | None = None) -> DecodeChoice | None:
         """Best decode worker for a request that will hold `total_tokens` of KV (context plus the
         output still expected) with `context_tokens` of context now; `tpot_s` is its TPOT target
-        (None for batch work)."""
-        safety, min_step = self.cfg.decode_tpot_safety, self.models.prior.min_step_s
+        (None for batch work). Workers the row fits now are appended to `feasible` if given."""
+        safety = self.cfg.decode_tpot_safety
         # Candidates kept as (worker, step) tuples; one DecodeChoice is built at the end.
         best, best_head, best_step = None, -math.inf, 0.0
         fallback, fallback_wait, fallback_step = None, math.inf, 0.0
         victim, victim_head, victim_step, victim_n = None, -math.inf, 0.0, 0
+        min_step = self.models.prior.min_step_s
         for w in workers:
-            t = w.model.theta  # inlined step-time model: this loop is the hot path
-            tight = w.tpot_targets.min()
-            if tpot_s is not None and (tight is None or tpot_s < tight):
-                tight = tpot_s
-            ctx = w.mean_context_tokens
-            if ctx is None:
-                ctx = w.active_context_tokens / w.num_active if w.num_active else float(context_tokens)
-            per_row = t[3] * 1e-2 + t[4] * ctx * 1e-5
-            rows = w.num_active + 1
-            # Rows fit iff the step with one more row stays within the tightest target (the
-            # batch cap, `batch_cap`, without solving for it); a lone row always fits.
-            rows_ok = rows <= w.max_num_seqs and (
-                tight is None or rows == 1 or t[0] + per_row * rows <= safety * tight)
-            step = t[0] + per_row * (rows + w.num_committed)
-            if step < min_step:
-                step = min_step
+            tight, per_row, step, fits = self._row_fit(w, tpot_s, total_tokens, context_tokens)
             head = (tight if tight is not None else 0.0) - step
-            free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
-            if rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size):
+            if fits:
+                if feasible is not None:
+                    feasible.append((w, tight, per_row, step))
                 if head > best_head:
                     best, best_head, best_step = w, head, step
                 continue
+            t = w.model.theta
+            rows = w.num_active + 1
             cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight, w.max_num_seqs)
             excess = max(1, rows - cap)
             if interactive and len(w.victims) >= excess and head > victim_head:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName
 from cluster.fairness import FairShareClock
 from cluster.journal import Journal, JournalEntry, Phase
 from cluster.ordering import SlackQueue, new_request_urgency_s, priority_key
-from cluster.placement import Placement, PlacementKind, PlacementPolicy
+from cluster.placement import Fit, Placement, PlacementKind, PlacementPolicy
 from cluster.prefix_index import POOL, PrefixIndex
 from cluster.stats import LatencyWindow, SchedulerStats
 from cluster.tenants import Tenant, TenantRegistry
@@ -104,16 +105,24 @@ class GlobalScheduler:
         expected = tenant.expected_output_tokens(desc.max_tokens, self.cfg.placement.default_output_tokens)
         remaining_out = max(1, expected - entry.num_output_tokens)
         num_tokens = desc.num_prompt_tokens + entry.num_output_tokens
+        matches = self.index.match(desc.block_hashes) if desc.block_hashes else {}
         if kind is PlacementKind.REDIRECT:
             pview = self.workers.get(entry.prefill_worker) if entry.prefill_worker else None
             prefill_choice = None if pview is None else self.policy.choose_prefill(
-                num_tokens, desc.block_hashes, rank, [pview])
+                num_tokens, matches, rank, [pview])
         else:
-            prefill_choice = self.policy.choose_prefill(num_tokens, desc.block_hashes, rank,
-                                                        self.workers.prefill)
+            prefill_choice = self.policy.choose_prefill(num_tokens, matches, rank, self.workers.prefill)
+        feasible: list[Fit] | None = [] if self.cfg.placement.local_prefill and kind is not PlacementKind.REDIRECT else None
         decode_choice = self.policy.choose_decode(
             entry.tpot_s, rank == 0, num_tokens + remaining_out, num_tokens, remaining_out,
-            self.workers.decode)
+            self.workers.decode, feasible)
+        # A decode worker prefilling for itself can only start sooner when the best prefill
+        # worker has work queued (idle, that worker computes as much, in steps without rows).
+        if feasible and (prefill_choice is None or prefill_choice.wait_s > 0):
+            local = self.policy.choose_local(num_tokens, matches, rank, feasible,
+                                             math.inf if prefill_choice is None else prefill_choice.ttft_s)
+            if local is not None:
+                prefill_choice, decode_choice = local
         if prefill_choice is None or decode_choice is None:
             return Refusal(rid, RefusalReason.NO_HEALTHY_WORKER, self.cfg.heartbeat_timeout_s,
                            "no healthy prefill and decode workers")
@@ -198,7 +207,10 @@ class GlobalScheduler:
         if entry is None:
             return
         self.timelines.stamp(rid, stage, t)
-        if stage is Stage.PREFILL_START and entry.phase is Phase.QUEUED:
+        local = entry.prefill_worker == entry.decode_worker
+        if entry.phase is Phase.QUEUED and (stage is Stage.PREFILL_START or (
+                local and stage is Stage.DECODE_ADMITTED and entry.num_output_tokens == 0)):
+            # A decode worker running a request whole admits it before prefilling it.
             entry.phase = Phase.PREFILLING
         elif stage is Stage.PREFILL_DONE:
             self._prefill_done(entry)
@@ -208,7 +220,9 @@ class GlobalScheduler:
 
     def _prefill_done(self, entry: JournalEntry) -> None:
         if entry.phase in (Phase.QUEUED, Phase.PREFILLING):
-            entry.phase = Phase.TRANSFERRING
+            # A prefill on the decode worker itself has no KV to hand over: it decodes at once.
+            local = entry.prefill_worker == entry.decode_worker
+            entry.phase = Phase.DECODING if local else Phase.TRANSFERRING
         self.ledger.prefill_done(entry.request_id)
         self.ledger.activate_decode(entry.request_id)
 
@@ -275,6 +289,10 @@ class GlobalScheduler:
 
     def decode_batch_cap(self, name: WorkerName) -> int:
         return snapshots.decode_batch_cap(self, name)
+
+    def local_chunk_tokens(self, name: WorkerName, num_rows: int, num_context_tokens: int,
+                           num_cached_tokens: int) -> int:
+        return snapshots.local_chunk_tokens(self, name, num_rows, num_context_tokens, num_cached_tokens)
 
     def timeline(self, rid: RequestId) -> dict[str, Any] | None:
         return self.timelines.get(rid)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.admission import Refusal
 from cluster.bookings import ACTIVE, COMMITTED, Booking
+from cluster.cost_model import chunk_tokens
 from cluster.descriptors import WorkerLoad
 from cluster.journal import JournalEntry, Phase
 from cluster.ordering import decode_batch_cap as _cap
@@ -99,6 +100,23 @@ def decode_batch_cap(sched: "GlobalScheduler", name: "WorkerName") -> int:
     model = sched.models.get(name)
     return _cap(model, view.tpot_targets.min(), view.context_per_row(0.0),
                 sched.cfg.placement.decode_tpot_safety, view.max_num_seqs)
+
+
+def local_chunk_tokens(sched: "GlobalScheduler", name: "WorkerName", num_rows: int, num_context_tokens: int,
+                       num_cached_tokens: int) -> int:
+    """Prefill tokens (after `num_cached_tokens` already computed) decode worker `name` may add
+    to a step of `num_rows` decode rows reading `num_context_tokens` of KV, so that the step
+    stays within its tightest active TPOT target (`PlacementConfig.local_prefill`)."""
+    view = sched.workers.get(name)
+    cfg = sched.cfg.placement
+    if view is None:
+        return 0
+    tight = view.tpot_targets.min()
+    if tight is None:
+        return cfg.max_local_chunk_tokens
+    model = sched.models.get(name)
+    room = cfg.decode_tpot_safety * tight - model.predict_decode_step(num_rows, num_context_tokens)
+    return chunk_tokens(model.theta, room, num_cached_tokens, cfg.max_local_chunk_tokens)
 
 
 def stats(sched: "GlobalScheduler") -> SchedulerStats:

@@ -88,13 +88,17 @@ class SimCluster:
             for i in range(spec.num_decode):
                 name = f"d{i}"
                 self.instances[name] = DecodeInstance(name, self.cost, self, kv_blocks, spec.kv_block_tokens,
-                                                      self._cap_fn(name))
+                                                      self._cap_fn(name), cache_blocks, self._chunk_fn(name),
+                                                      spec.max_num_seqs)
         self.failures: list[FailureRecord] = []
         self.requests: dict[str, SimRequest] = {}
 
     def _cap_fn(self, name: str) -> Callable[[], int]:
         limit = self.spec.max_num_seqs
         return lambda: min(limit, self.router.decode_cap(name) or limit)
+
+    def _chunk_fn(self, name: str) -> Callable[[int, int, int], int]:
+        return lambda rows, ctx, done: self.router.local_chunk_tokens(name, rows, ctx, done)
 
     # ---- running --------------------------------------------------------------------------
 
@@ -129,13 +133,12 @@ class SimCluster:
 
     def _report(self, inst: Instance) -> WorkerLoad:
         running, waiting = inst.load()
+        added, removed = inst.cache.take_deltas()
         if isinstance(inst, PrefillInstance):
             kind, free, total = WorkerKind.PREFILL, 0, 0
-            added, removed = inst.cache.take_deltas()
         else:
             kind = WorkerKind.DECODE if isinstance(inst, DecodeInstance) else WorkerKind.COLOCATED
             total, free = inst.dec.kv_blocks, inst.dec.kv_blocks - inst.dec.used_blocks
-            added, removed = (), ()
         steps, inst.samples = tuple(inst.samples), []
         return WorkerLoad(WorkerName(inst.name), kind, running, waiting, max(0, free), total,
                           self.spec.kv_block_tokens, True, self.loop.now, steps, added, removed)
@@ -164,7 +167,7 @@ class SimCluster:
             return
         req.state, req.refusal = REFUSED if req.first_token_t is None else CANCELLED, reason
         inst = self.instances.get(req.prefill_inst or "")
-        if isinstance(inst, ColocatedInstance):
+        if inst is not None and not isinstance(inst, PrefillInstance):
             inst.release_blocks(req)
         self._settle(req)
 
@@ -175,11 +178,13 @@ class SimCluster:
 
     # ---- physics callbacks ------------------------------------------------------------------
 
-    def start_prefill(self, req: SimRequest, inst: PrefillInstance | ColocatedInstance) -> float:
-        """Prefix lookup for a request starting prefill on `inst`; returns the pool fetch time."""
+    def start_prefill(self, req: SimRequest, inst: Instance) -> float:
+        """Prefix lookup for a request starting prefill on `inst`; returns the pool fetch time.
+        Only prefill instances fetch from the pool (an engine decoding its own prefills looks up
+        its own cache, as the data plane's decode worker does)."""
         bt = self.spec.hash_block_tokens
         local = inst.cache.longest_prefix(req.hashes)
-        pool = self.pool.longest_prefix(req.hashes) if self.pool is not None else 0
+        pool = self.pool.longest_prefix(req.hashes) if self.pool is not None and isinstance(inst, PrefillInstance) else 0
         hit = max(local, pool)
         total = req.prompt_len + req.generated
         req.pf_cached = min(hit * bt, total - 1)
@@ -189,18 +194,18 @@ class SimCluster:
         self.router.on_prefill_start(req)
         return (pool - local) * self.fetch_s_per_block if pool > local else 0.0
 
-    def finish_prefill(self, req: SimRequest, inst: PrefillInstance | ColocatedInstance) -> bool:
+    def finish_prefill(self, req: SimRequest, inst: Instance) -> bool:
         """Prefill ended: its last logits give the next token. True if the request decodes on
-        `inst` (colocated) from here."""
+        `inst` (colocated, or a decode instance's own prefill) from here."""
         now = self.loop.now
         inst.cache.insert(req.hashes)
-        if self.pool is not None:
+        if self.pool is not None and isinstance(inst, PrefillInstance):
             self.pool.insert(req.hashes)
         self._emit(req, now)
         if req.generated >= req.out_len:
             self.finish(req)
             return False
-        if isinstance(inst, ColocatedInstance):
+        if not isinstance(inst, PrefillInstance):
             return True
         req.decode_inst = self.router.decode_target(req)
         self._transfer(req)

@@ -11,6 +11,9 @@ when it joins (`join + tokens left`) and sits in a heap. A step costs O(log n) f
 finish, not O(batch).
 KV blocks are reserved for prompt + the full output at admission (an oracle for memory, the same
 for every policy, so no policy loses time to preemption on out-of-memory).
+A decode instance may also be sent prefills of its own (our scheduler's `local_prefill`): it runs
+them as chunks beside its rows (`chunked.py`), each step's chunk as large as the scheduler says
+the rows' TPOT target leaves room for, and decodes them in place.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bench.sim.cache import BlockCache
+from bench.sim.chunked import ChunkedPrefill
 from bench.sim.hardware import StepCost
 from bench.sim.request import DECODE_WAIT, DECODING, PREFILLING, QUEUED, SimRequest
 from cluster.descriptors import StepSample
@@ -154,15 +158,27 @@ class PrefillInstance:
 
 
 class DecodeInstance:
-    """Decode-only: a continuous batch admitted in key order, capped by `cap()` rows and by KV."""
+    """Decode: a continuous batch admitted in key order, capped by `cap()` rows and by KV; plus
+    any prefills sent here, chunked into the steps by `chunk(rows, context, computed)` tokens."""
 
     def __init__(self, name: str, cost: StepCost, sim: "SimCluster", kv_blocks: int, block_tokens: int,
-                 cap: Callable[[], int]) -> None:
-        self.name, self.cost, self.sim, self.cap = name, cost, sim, cap
+                 cap: Callable[[], int], cache_blocks: int, chunk: Callable[[int, int, int], int],
+                 max_num_seqs: int) -> None:
+        self.name, self.cost, self.sim, self.cap, self.chunk = name, cost, sim, cap, chunk
+        self.max_num_seqs = max_num_seqs
         self.dec = _Decoder(block_tokens, kv_blocks)
+        self.cache = BlockCache(cache_blocks, track_deltas=True)
+        self.prefill = ChunkedPrefill(self, sim, self.dec)
         self.waiting: list[tuple[tuple, int, SimRequest]] = []
         self.busy = self.dead = False
         self.samples: list[StepSample] = []
+
+    def enqueue(self, req: SimRequest) -> None:
+        """A prefill to run here, then decode here."""
+        self.prefill.enqueue(req)
+        if not self.busy:
+            self._admit()
+            self._start()
 
     def arrive(self, req: SimRequest) -> None:
         req.state = DECODE_WAIT
@@ -189,13 +205,18 @@ class DecodeInstance:
 
     def _start(self) -> None:
         dec = self.dec
-        if not dec.rows:
+        rows, ctx = len(dec.rows), dec.context_next_step()
+        tokens, pairs = 0, 0.0
+        if self.prefill.has_work():
+            # A step without rows delays no one's next token: it always makes progress.
+            tokens, pairs, _ = self.prefill.plan(lambda done: max(self.chunk(rows, ctx, done), int(not rows)),
+                                                 self.max_num_seqs)
+        if not rows and not tokens:
             self.busy = False
             return
         self.busy = True
-        rows, ctx = len(dec.rows), dec.context_next_step()
-        dt = self.cost.step_s(0, 0.0, rows, ctx)
-        self.sim.loop.after(dt, self._end, StepSample(0, 0.0, rows, ctx, dt))
+        dt = self.cost.step_s(tokens, pairs, rows, ctx)
+        self.sim.loop.after(dt, self._end, StepSample(tokens, pairs, rows, ctx, dt))
 
     def _end(self, sample: StepSample) -> None:
         if self.dead:
@@ -206,6 +227,7 @@ class DecodeInstance:
             self.sim.first_decode_token(req)
         for req in self.dec.finished_rows():
             self.sim.finish(req)
+        self.prefill.complete()
         self._admit()
         self._start()
 
@@ -223,8 +245,12 @@ class DecodeInstance:
             req.generated = self.dec.generated_now(req)
             lost.append(req)
         lost += [r for _, _, r in self.waiting if r.state == DECODE_WAIT and r.decode_inst == self.name]
+        lost += [r for r in self.prefill.kill() if r not in lost]
         self.waiting = []
         return lost
 
+    def release_blocks(self, req: SimRequest) -> None:
+        self.prefill.release(req)
+
     def load(self) -> tuple[int, int]:
-        return len(self.dec.rows), len(self.waiting)
+        return len(self.dec.rows) + len(self.prefill.prefilling), len(self.waiting) + len(self.prefill.waiting)

@@ -35,13 +35,14 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
 
 
 def measure_decision_latency(num_in_flight: int = 10_000, num_measured: int = 5_000, num_prefill: int = 16,
-                             num_decode: int = 16, seed: int = 0) -> dict[str, Any]:
+                             num_decode: int = 16, seed: int = 0, local_prefill: bool = True) -> dict[str, Any]:
     rng = random.Random(seed)
     clock = FakeClock()
     tenants = tuple(TenantConfig(TenantId(f"t{i}"), weight=1.0 + i % 3,
                                  slo=InteractiveSlo(ttft_ms=1e7, tpot_ms=1e4)) for i in range(8))
     sched = GlobalScheduler(SchedulerConfig(tenants=tenants, default_tenant=None,
-                                            placement=PlacementConfig(hash_block_size=16)), clock)
+                                            placement=PlacementConfig(hash_block_size=16, local_prefill=local_prefill)),
+                             clock)
     system_prompts = [[rng.getrandbits(64) for _ in range(rng.randint(64, 128))] for _ in range(50)]
     names = [WorkerName(f"p{i}") for i in range(num_prefill)] + [WorkerName(f"d{i}") for i in range(num_decode)]
 

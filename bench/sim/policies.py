@@ -41,6 +41,7 @@ class Router:
     def on_arrival(self, req: SimRequest) -> None: raise NotImplementedError
     def decode_target(self, req: SimRequest) -> str: raise NotImplementedError
     def decode_cap(self, name: str) -> int | None: return None
+    def local_chunk_tokens(self, name: str, rows: int, context: int, computed: int) -> int: return 0
     def on_prefill_start(self, req: SimRequest) -> None: pass
     def on_token(self, req: SimRequest) -> None: pass
     def on_kv_delivered(self, req: SimRequest) -> None: pass
@@ -185,6 +186,9 @@ class Ours(Router):
 
     def decode_cap(self, name: str) -> int | None:
         return self.sched.decode_batch_cap(WorkerName(name)) or None
+
+    def local_chunk_tokens(self, name: str, rows: int, context: int, computed: int) -> int:
+        return self.sched.local_chunk_tokens(WorkerName(name), rows, context, computed)
 
     def on_prefill_start(self, req: SimRequest) -> None:
         self.sched.on_stage(RequestId(req.rid), Stage.PREFILL_START)

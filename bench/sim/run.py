@@ -72,6 +72,7 @@ class Job:
     failures: bool = False
     profile: str | None = None
     profile_scale: float = 1.0
+    local_prefill: bool = True
 
 
 @functools.lru_cache(maxsize=4)
@@ -96,7 +97,8 @@ def _router(job: Job) -> Router:
     cfg = SchedulerConfig(
         default_tenant=TenantConfig(TenantId("default"), slo=slo),
         placement=PlacementConfig(hash_block_size=MOONCAKE_BLOCK_TOKENS,
-                                  pool_fetch_s_per_block=MOONCAKE_BLOCK_TOKENS * 131072 / net.pool_bytes_per_s),
+                                  pool_fetch_s_per_block=MOONCAKE_BLOCK_TOKENS * 131072 / net.pool_bytes_per_s,
+                                  local_prefill=job.local_prefill),
         admission=replace(SchedulerConfig().admission, max_model_len=MAX_MODEL_LEN),
         heartbeat_timeout_s=ClusterSpec().heartbeat_timeout_s)
     return Ours(cfg, max_tokens=MAX_TOKENS)

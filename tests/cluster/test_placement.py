@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from actors.engine.block_hash import hash_block_chain
 from cluster.config import SchedulerConfig
+from cluster.cost_model import prefill_pairs
 from cluster.descriptors import WorkerKind
+from cluster.journal import Phase
 from cluster.placement import Placement, PlacementConfig
 from cluster.prefix_index import POOL, PrefixIndex
-from tests.cluster.helpers import W, desc, load, make
+from cluster.tenants import InteractiveSlo, TenantConfig
+from cluster.timeline import Stage
+from tests.cluster.helpers import R, T, W, desc, load, make
 
 
 def test_longest_prefix_match_equals_brute_force() -> None:
@@ -72,3 +78,49 @@ def test_decode_goes_where_tpot_headroom_is_largest_and_blocks_fit() -> None:
     assert "d0" not in decoders
     assert sorted(decoders) == ["d1", "d1", "d1", "d2", "d2", "d2"]  # spread by headroom
     sched.check_integrity()
+
+
+def _local_cfg(local_prefill: bool = True) -> SchedulerConfig:
+    slo = InteractiveSlo(ttft_ms=1e6, tpot_ms=50.0)
+    return SchedulerConfig(default_tenant=TenantConfig(T("default"), slo=slo), heartbeat_timeout_s=1e6,
+                           placement=PlacementConfig(local_prefill=local_prefill))
+
+
+def test_decode_workers_prefill_for_themselves_when_that_gives_the_first_token_sooner() -> None:
+    # Prior: a 4000-token prefill is ~159 ms on a prefill worker. On an idle decode worker its
+    # 154 ms of token work is chunked into steps of 5 ms + 37.5 ms (0.85 x 50 ms TPOT): ~174 ms,
+    # d1 first (d0 already has r0's row committed, so its steps are a little longer).
+    sched, _ = make(_local_cfg(), prefill=1, decode=2)
+    out = [sched.submit(desc(f"r{i}", prompt=4000)) for i in range(4)]
+    assert all(isinstance(p, Placement) for p in out)
+    assert [p.prefill_worker for p in out] == ["p0", "d1", "d0", "p0"]  # type: ignore[union-attr]
+    assert [p.local for p in out] == [False, True, True, False]  # type: ignore[union-attr]
+    # r3 waits for r0 on p0 (2 x 158.6 ms), yet that beats d1's and d0's queues of one chunked prefill.
+    assert out[3].predicted_ttft_s == pytest.approx(2 * out[0].predicted_ttft_s)  # type: ignore[union-attr]
+    assert out[0].predicted_ttft_s < out[1].predicted_ttft_s < out[3].predicted_ttft_s < 2 * out[1].predicted_ttft_s  # type: ignore[union-attr]
+    d1 = sched.workers.get(W("d1"))
+    assert d1 is not None and d1.backlog_s[0] > 0 and d1.num_committed == 2  # r1 here, r3 from p0
+    # Its first token means it decodes where it was prefilled: nothing to hand over.
+    sched.on_stage(R("r1"), Stage.PREFILL_START)
+    sched.on_token(R("r1"))
+    entry = sched.journal.get(R("r1"))
+    assert entry is not None and entry.phase is Phase.DECODING
+    assert (d1.backlog_s[0], d1.num_committed, d1.num_active) == (0.0, 1, 1)
+    sched.check_integrity()
+    # Off (the default), every prefill waits for the prefill worker.
+    off, _ = make(_local_cfg(False), prefill=1, decode=2)
+    assert {p.prefill_worker for p in (off.submit(desc(f"r{i}", prompt=4000)) for i in range(4))} == {"p0"}  # type: ignore[union-attr]
+
+
+def test_local_prefill_chunks_fill_the_step_to_the_tightest_tpot_target() -> None:
+    sched, _ = make(_local_cfg(), prefill=1, decode=1)
+    assert sched.local_chunk_tokens(W("d0"), 0, 0, 0) == PlacementConfig().max_local_chunk_tokens  # no target yet
+    p = sched.submit(desc("a", prompt=2000))
+    assert isinstance(p, Placement)
+    sched.on_stage(p.request_id, Stage.DECODE_ADMITTED)  # a running row with a 50 ms target
+    model = sched.models.get(W("d0"))
+    for rows, done in ((1, 0), (40, 0), (40, 3000)):
+        n = sched.local_chunk_tokens(W("d0"), rows, rows * 2000, done)
+        step = lambda k: model.predict(k, prefill_pairs(k, done), rows, rows * 2000)  # noqa: E731
+        assert n > 0 and step(n) <= 0.85 * 0.05 < step(n + 1), (rows, done, n)
+    assert sched.local_chunk_tokens(W("d0"), 600, 600 * 2000, 0) == 0  # the rows alone fill the step

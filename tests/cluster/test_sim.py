@@ -36,11 +36,16 @@ def _requests(n: int, rate: float, seed: int = 0) -> list[SimRequest]:
     return out
 
 
-def _ours() -> Ours:
+def _ours(local_prefill: bool = False) -> Ours:
     cfg = SchedulerConfig(default_tenant=TenantConfig(TenantId("default"), slo=InteractiveSlo(5000, 100)),
-                          placement=PlacementConfig(hash_block_size=BLOCK, pool_fetch_s_per_block=0.0027),
+                          placement=PlacementConfig(hash_block_size=BLOCK, pool_fetch_s_per_block=0.0027,
+                                                    local_prefill=local_prefill),
                           heartbeat_timeout_s=1.0)
     return Ours(cfg)
+
+
+def _ours_local() -> Ours:
+    return _ours(local_prefill=True)
 
 
 def _run(router: Router, reqs: list[SimRequest], failures: tuple[tuple[float, str], ...] = ()) -> SimCluster:
@@ -52,7 +57,7 @@ def _run(router: Router, reqs: list[SimRequest], failures: tuple[tuple[float, st
     return sim
 
 
-@pytest.mark.parametrize("make_router", [ColocatedRoundRobin, DisaggLoadOnly, _ours])
+@pytest.mark.parametrize("make_router", [ColocatedRoundRobin, DisaggLoadOnly, _ours, _ours_local])
 def test_every_policy_serves_a_light_synthetic_load(make_router) -> None:  # type: ignore[no-untyped-def]
     reqs = _requests(300, rate=5.0)
     router = make_router()
@@ -67,7 +72,7 @@ def test_every_policy_serves_a_light_synthetic_load(make_router) -> None:  # typ
         assert fig["prefix_cached_fraction"] > 0.3  # affinity + pool serve the shared documents
 
 
-@pytest.mark.parametrize("make_router", [ColocatedRoundRobin, DisaggLoadOnly, _ours])
+@pytest.mark.parametrize("make_router", [ColocatedRoundRobin, DisaggLoadOnly, _ours, _ours_local])
 def test_failures_lose_no_request(make_router) -> None:  # type: ignore[no-untyped-def]
     reqs = _requests(400, rate=8.0, seed=1)
     colocated = make_router is ColocatedRoundRobin
@@ -84,6 +89,31 @@ def test_failures_lose_no_request(make_router) -> None:  # type: ignore[no-untyp
         assert router.sched.stats().num_workers_lost == 2
         assert router.sched.stats().num_recovered >= len([r for r in affected if r.num_losses])
         router.sched.check_integrity()
+
+
+def test_decode_instances_prefill_for_themselves_when_the_prefill_instances_fall_behind() -> None:
+    # Two prefill instances take ~2 x 28k prompt tokens/s; this load brings ~1.2x that, while
+    # the two decode instances, with short outputs, have most of each step to spare.
+    rng = random.Random(3)
+    reqs, t = [], 0.0
+    for i in range(600):
+        t += rng.expovariate(75.0)
+        reqs.append(SimRequest(f"r{i}", "default", t, rng.randint(600, 1200), rng.randint(2, 40), ()))
+    runs = {}
+    for local in (False, True):
+        trial = [SimRequest(r.rid, r.tenant, r.arrival, r.prompt_len, r.out_len, r.hashes) for r in reqs]
+        router = _ours(local)
+        _run(router, trial)
+        runs[local] = (summarize(trial, 1.0, 0.1), trial)
+        router.sched.check_integrity()
+        assert router.sched.stats().num_in_flight == 0
+    on, trial = runs[True]
+    served_here = [r for r in trial if r.prefill_inst is not None and r.prefill_inst.startswith("d")]
+    assert served_here and all(r.decode_inst == r.prefill_inst for r in served_here)
+    assert not any(r.prefill_inst.startswith("d") for r in runs[False][1] if r.prefill_inst)
+    assert on["num_unfinished"] == 0 and on["tpot_p99_s"] <= 0.1
+    off = runs[False][0]
+    assert on["attainment"] > off["attainment"] and on["ttft_p99_s"] < off["ttft_p99_s"] / 2, (on, off)
 
 
 def test_goodput_is_the_highest_rate_meeting_ninety_percent() -> None:
