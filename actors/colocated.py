@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from actors.engine.async_engine import AsyncEngine
 from actors.messages import GenerationRequest, TokenEvent, WorkerKind, WorkerLoad
+from actors.telemetry import ReportsTelemetry
 
 
 def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserved: int = 0) -> WorkerLoad:
@@ -25,7 +26,7 @@ def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserv
                       healthy=async_engine.is_alive)
 
 
-class ColocatedWorker:
+class ColocatedWorker(ReportsTelemetry):
     def __init__(self, async_engine: AsyncEngine, name: str = "colocated") -> None:
         self.engine = async_engine
         self.name = name

@@ -30,6 +30,7 @@ from actors.engine.output import RequestOutput
 from actors.errors import RequestAborted, UnknownRequest
 from actors.kv_receiver import KVReceiver, ReceiverStats
 from actors.messages import GenerationRequest, TokenEvent, WorkerLoad
+from actors.telemetry import ReportsTelemetry
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout
 from transfer.transport import KVTransport
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 _Queue = asyncio.Queue[RequestOutput | BaseException]
 
 
-class DecodeWorker:
+class DecodeWorker(ReportsTelemetry):
     def __init__(self, cfg: WorkerConfig, async_engine: AsyncEngine, transport: KVTransport, layout: KVLayout,
                  name: str | None = None) -> None:
         self.cfg = cfg

@@ -5,7 +5,8 @@ Mental model: these are the envelopes of one disaggregated request. The caller b
 be journaled and resumed anywhere); the decode worker and the prefill worker both receive it; the
 prefill worker answers with a `PrefillResult` (what it reused, computed and shipped, and how long
 each stage took); the decode worker streams `TokenEvent`s. `WorkerLoad` is what a placement policy
-(and later the cluster scheduler) reads. Ray pickles them, so they hold plain fields only: ints,
+(and the cluster scheduler) reads; `Telemetry` is what a worker's engine measured since a cursor
+(step times, prefix blocks gained and lost), for the scheduler's cost models and prefix index. Ray pickles them, so they hold plain fields only: ints,
 floats, strings, tuples, and the engine's own frozen `SamplingParams` / `RequestOutput`.
 
 Timestamps that leave a process are wall-clock (`time.time()`): monotonic clocks of two machines
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from actors.engine.output import RequestOutput
+from actors.engine.output import RequestOutput, StepRecord
 from actors.engine.sampling import SamplingParams
 
 WorkerKind = Literal["prefill", "decode", "colocated"]
@@ -123,6 +124,36 @@ class WorkerLoad:
     @property
     def num_active(self) -> int:
         return self.num_running + self.num_waiting + self.num_reserved
+
+
+@dataclass(frozen=True)
+class TelemetryCursor:
+    """How far a reader has taken a worker's telemetry: the worker process (`incarnation`), its
+    last step and its last prefix-cache change applied."""
+
+    incarnation: str
+    step_seq: int
+    cache_seq: int
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """A worker's engine steps and prefix-cache changes after a cursor. Steps are numbered from
+    `first_step_seq`; each cache change is (seq, hashes added, hashes removed). When the cursor is
+    missing, of another incarnation, or older than the changes kept, `cached_full` carries every
+    hash held instead, at `cache_seq`."""
+
+    name: str
+    incarnation: str
+    first_step_seq: int
+    steps: tuple[StepRecord, ...]
+    cache_seq: int
+    cache_changes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    cached_full: frozenset[int] | None = None
+
+    @property
+    def cursor(self) -> TelemetryCursor:
+        return TelemetryCursor(self.incarnation, self.first_step_seq + len(self.steps) - 1, self.cache_seq)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.errors import NoCapacity, WorkerTimeout
-from actors.messages import GenerationRequest, PrefillResult, TokenEvent, WorkerLoad
+from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from actors.placement import LeastLoaded, NoWorkers, Placement, PlacementChoice, ScheduledPlacement
 from actors.recovery import (DECODING, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator, StreamBroken,
                              is_worker_failure)
@@ -320,6 +320,23 @@ class PDClient:
         loads = await asyncio.gather(*(one(n, h) for n, h in workers.items()))
         self._loads = {w.name: w for w in loads}
         self._loads_at = time.monotonic()
+
+    async def telemetry(self, cursors: Mapping[str, TelemetryCursor | None]) -> dict[str, Telemetry]:
+        """Each live worker's engine telemetry after its cursor (see `actors/telemetry.py`), for the
+        scheduler's cost models and prefix index; a worker that does not answer in time is left out."""
+        workers = {**self.prefills, **self.decodes}
+
+        async def one(name: str, handle: ActorHandle) -> Telemetry | None:
+            try:
+                return await self._bounded(handle.telemetry.remote(cursors.get(name)), self.cfg.call_timeout_s,
+                                           f"telemetry of {name}")
+            except (WorkerTimeout, RayActorError) as e:
+                logger.debug("no telemetry from %s: %s", name, e)
+                return None
+
+        names = [n for n in workers if n not in self.dead]
+        got = await asyncio.gather(*(one(n, workers[n]) for n in names))
+        return {n: t for n, t in zip(names, got) if t is not None}
 
     def _remember(self, result: PrefillResult) -> None:
         self._results[result.request_id] = result

@@ -15,11 +15,11 @@ it plans recoveries; and it may refuse a request (`PlacementRefused`, with a ret
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from actors.messages import GenerationRequest, WorkerLoad
+from actors.messages import GenerationRequest, Telemetry, TelemetryCursor, WorkerLoad
 
 if TYPE_CHECKING:
     from actors.recovery import InFlight
@@ -61,11 +61,14 @@ class Placement(Protocol):
 
 class FlightSource(Protocol):
     """What a scheduled placement may ask of its caller: the requests in flight (to rebuild a
-    restarted scheduler) and the workers' loads (its heartbeats)."""
+    restarted scheduler), the workers' loads (its heartbeats) and their telemetry after the given
+    cursors (None: from scratch); workers that do not answer are left out."""
 
     def in_flight(self) -> list["InFlight"]: ...
 
     async def loads(self) -> dict[str, WorkerLoad]: ...
+
+    async def telemetry(self, cursors: Mapping[str, TelemetryCursor | None]) -> dict[str, Telemetry]: ...
 
 
 @runtime_checkable

@@ -34,6 +34,7 @@ from actors.handoff import num_handoff_blocks, num_reusable_blocks, prompt_block
 from actors.messages import GenerationRequest, PrefillResult, WorkerLoad
 from actors.pool_link import PoolLink, PoolLinkStats
 from actors.prefix_cache.pool import PrefixCachePool
+from actors.telemetry import ReportsTelemetry
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout, encode
 from transfer.transport import KVTransport, SendStats
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class PrefillWorker:
+class PrefillWorker(ReportsTelemetry):
     def __init__(self, cfg: WorkerConfig, async_engine: AsyncEngine, transport: KVTransport, layout: KVLayout,
                  prefix_pool: PrefixCachePool | None = None, name: str | None = None) -> None:
         self.cfg = cfg

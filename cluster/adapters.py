@@ -8,12 +8,13 @@ run on the ingress side, never in the scheduler actor, which therefore never imp
 
 from __future__ import annotations
 
-from actors.messages import GenerationRequest
+from actors.messages import GenerationRequest, Telemetry, TelemetryCursor
 from actors.messages import WorkerLoad as ActorWorkerLoad
 from actors.placement import PlacementRefused
 from actors.recovery import DECODING, PREFILLING, InFlight
 from cluster.admission import Refusal
-from cluster.descriptors import RequestDesc, RequestId, SloClass, TenantId, WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, TenantId, WorkerKind, WorkerLoad,
+                                 WorkerName, WorkerTelemetry)
 from cluster.flights import FlightState
 from cluster.journal import Phase
 
@@ -30,16 +31,29 @@ def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerLoa
         num_total_blocks=load.num_total_blocks, block_size=block_size, healthy=load.healthy, report_time=now)
 
 
-def request_desc(req: GenerationRequest, slo_class: SloClass | None = None) -> RequestDesc:
-    """No block hashes: the workers do not report their prefix holdings to the scheduler yet, so
-    an affinity score could only be zero."""
+def worker_telemetry(t: Telemetry) -> WorkerTelemetry:
+    return WorkerTelemetry(
+        WorkerName(t.name), t.incarnation, t.first_step_seq,
+        tuple(StepSample(s.num_prefill_tokens, s.num_prefill_pairs, s.num_decode_seqs, s.num_context_tokens, s.step_s)
+              for s in t.steps),
+        t.cache_seq, t.cache_changes, t.cached_full)
+
+
+def telemetry_cursor(cursor: tuple[str, int, int]) -> TelemetryCursor:
+    return TelemetryCursor(*cursor)
+
+
+def request_desc(req: GenerationRequest, slo_class: SloClass | None = None,
+                 block_hashes: tuple[int, ...] = ()) -> RequestDesc:
+    """`block_hashes`: the prompt's full blocks as the engines hash them (`prompt_block_hashes`),
+    matched against what the workers report holding."""
     return RequestDesc(RequestId(req.request_id), TenantId(req.tenant), req.num_prompt_tokens,
-                       req.params.max_tokens, (), req.arrival_time, slo_class)
+                       req.params.max_tokens, block_hashes, req.arrival_time, slo_class)
 
 
-def flight_state(flight: InFlight, slo_class: SloClass | None = None) -> FlightState:
+def flight_state(flight: InFlight, slo_class: SloClass | None = None, block_hashes: tuple[int, ...] = ()) -> FlightState:
     return FlightState(
-        desc=request_desc(flight.req, slo_class),
+        desc=request_desc(flight.req, slo_class, block_hashes),
         prefill_worker=None if flight.prefill is None else WorkerName(flight.prefill),
         decode_worker=None if flight.decode is None else WorkerName(flight.decode),
         phase=_PHASES.get(flight.phase, Phase.QUEUED), num_output_tokens=len(flight.streamed),

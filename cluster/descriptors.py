@@ -3,7 +3,8 @@
 Mental model: `cluster/` never touches an engine, a tensor or a Ray handle. The data plane (and the
 simulator) describe a request by its size, owner and prompt block hashes (`RequestDesc`), and a
 worker by a periodic load report (`WorkerLoad`, carrying the step times it measured as
-`StepSample`s and the prefix blocks it gained or lost since the last report). The Ray integration
+`StepSample`s and the prefix blocks it gained or lost since the last report), or by its load and,
+separately, numbered telemetry (`WorkerTelemetry`) relayed by any number of ingresses. The Ray integration
 only converts `actors/` types into these; nothing here imports a heavy dependency.
 """
 
@@ -84,6 +85,22 @@ class StepSample:
     num_decode_seqs: int
     num_context_tokens: int
     step_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTelemetry:
+    """What a worker's engine measured after the cursor the scheduler gave (`TelemetryInbox`):
+    steps numbered from `first_step_seq`, prefix-cache changes as (seq, hashes added, hashes
+    removed), or, instead of changes, every hash held (`cached_full`) as of `cache_seq`.
+    `incarnation` names the worker process: its numbers start again when it restarts."""
+
+    name: WorkerName
+    incarnation: str
+    first_step_seq: int
+    steps: tuple[StepSample, ...] = ()
+    cache_seq: int = 0
+    cache_changes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    cached_full: frozenset[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,10 +63,13 @@ class FlightEvent:
 class ReportAck:
     """`incarnation` changes when the actor restarts; `needs_rebuild`: this ingress has not
     given this incarnation its in-flight list yet (its events were not applied); `expired`:
-    requests the scheduler cancelled for waiting past their queue timeout."""
+    requests the scheduler cancelled for waiting past their queue timeout; `cursors`: per
+    worker, (incarnation, step, cache change) the scheduler has applied of its telemetry, where
+    the next reads should start (`cluster.telemetry`)."""
 
     incarnation: str
     needs_rebuild: bool
     applied_seq: int
     num_in_flight: int
     expired: tuple[RequestId, ...] = field(default_factory=tuple)
+    cursors: dict[str, tuple[str, int, int]] = field(default_factory=dict)

@@ -6,7 +6,10 @@ becomes `PlacementRefused` (HTTP 429 + Retry-After and friends); no answer (the 
 or slow) means the request is placed locally (`LeastLoaded`) and the actor is left alone for
 `down_backoff_s`. Everything else is off the hot path: notifications (placed, stages, tokens,
 done) are buffered and sent, with the workers' loads as heartbeats, by one background reporter
-every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. When
+every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. Every
+`telemetry_interval_s` the reporter also relays each worker's engine telemetry (step times for
+the scheduler's step-time models, prefix-cache changes for its prefix index), read after the
+cursors the scheduler's last acknowledgement gave, so the scheduler applies each once. When
 an acknowledgement says the actor does not know this ingress (it restarted), the reporter sends
 the in-flight list (`rebuild`), which supersedes every event not yet applied. So requests never
 depend on the actor being up, and the actor's view is rebuilt from the ingress's truth.
@@ -33,10 +36,12 @@ from dataclasses import dataclass, field
 from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
-from actors.messages import GenerationRequest, WorkerLoad
+from actors.handoff import prompt_block_hashes
+from actors.messages import GenerationRequest, TelemetryCursor, WorkerLoad
 from actors.placement import FlightSource, LeastLoaded, NoWorkers, PlacementChoice
 from actors.recovery import InFlight
-from cluster.adapters import flight_state, refusal_error, request_desc, worker_load
+from cluster.adapters import (flight_state, refusal_error, request_desc, telemetry_cursor, worker_load,
+                              worker_telemetry)
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
 from cluster.descriptors import RequestId, SloClass, WorkerName
@@ -59,12 +64,13 @@ class LinkConfig:
     report_interval_s: float = 0.1
     down_backoff_s: float = 1.0  # after a failed call, place locally this long before asking again
     ready_timeout_s: float = 5.0  # the first admit waits this long for the first report (heartbeats)
-    block_size: int = 16
+    block_size: int = 16  # the engines': prompts are hashed in blocks of this size
     max_pending_batches: int = 512  # unacknowledged event batches kept while the actor is away
+    telemetry_interval_s: float = 0.5  # worker step times and prefix changes, relayed this often
 
     def __post_init__(self) -> None:
-        if min(self.admit_timeout_s, self.call_timeout_s, self.report_interval_s) <= 0:
-            raise ValueError("timeouts and report_interval_s must be positive")
+        if min(self.admit_timeout_s, self.call_timeout_s, self.report_interval_s, self.telemetry_interval_s) <= 0:
+            raise ValueError("timeouts, report_interval_s and telemetry_interval_s must be positive")
 
 
 @dataclass
@@ -77,6 +83,7 @@ class LinkStats:
     num_recover_calls: int = 0
     num_recover_fallback: int = 0
     num_reports: int = 0
+    num_telemetry: int = 0  # worker telemetry windows relayed
     num_report_failures: int = 0
     num_rebuilds: int = 0
     num_rebuilt_requests: int = 0  # in-flight requests sent by the last rebuild
@@ -91,12 +98,20 @@ class SchedulerPlacement:
         self.cfg = cfg or LinkConfig()
         sched_cfg = sched_cfg or SchedulerConfig()
         self._tenants = TenantRegistry(sched_cfg.tenants, sched_cfg.default_tenant)
+        # Prompt block hashes mean something to the scheduler only in blocks of its own size.
+        self._hash_prompts = sched_cfg.placement.hash_block_size == self.cfg.block_size
+        if not self._hash_prompts:
+            logger.warning("scheduler hash_block_size %d != engine block size %d: no prefix affinity",
+                           sched_cfg.placement.hash_block_size, self.cfg.block_size)
         self._batch_deadline_s = sched_cfg.batch_deadline_s
         self.local = LeastLoaded()
         self.stats = LinkStats()
         self._source: FlightSource | None = None
         self._assigned: dict[str, tuple[str | None, str]] = {}  # the scheduler's (prefill, decode)
         self._classes: dict[str, SloClass] = {}  # requests downgraded by their caller
+        self._hashes: dict[str, tuple[int, ...]] = {}  # prompt block hashes of requests in flight
+        self._cursors: dict[str, TelemetryCursor] = {}  # the scheduler's, from its last ack
+        self._telemetry_due = 0.0
         self._events: list[FlightEvent] = []  # not sent yet; TOKENS entries are filled at flush
         self._token_times: dict[str, tuple[int, list[float]]] = {}  # rid -> (index in _events, times)
         self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
@@ -123,10 +138,12 @@ class SchedulerPlacement:
                 await asyncio.wait_for(self._ready.wait(), self.cfg.ready_timeout_s)
             except asyncio.TimeoutError:
                 pass
+        if self._hash_prompts:
+            self._hashes[req.request_id] = tuple(prompt_block_hashes(req, self.cfg.block_size))
         if self.available:
+            desc = request_desc(req, slo_class, self._hashes.get(req.request_id, ()))
             try:
-                out = await asyncio.wait_for(self.actor.submit.remote(request_desc(req, slo_class), req.seed),
-                                             self.cfg.admit_timeout_s)
+                out = await asyncio.wait_for(self.actor.submit.remote(desc, req.seed), self.cfg.admit_timeout_s)
             except (RayError, asyncio.TimeoutError) as e:
                 self._mark_down(e)
             else:
@@ -249,9 +266,11 @@ class SchedulerPlacement:
         self._push(FlightEvent(kind, rid, t, num_output_tokens=len(flight.streamed)))
         self._assigned.pop(rid, None)
         self._classes.pop(rid, None)
+        self._hashes.pop(rid, None)
 
     def _state(self, flight: InFlight) -> FlightState:
-        return flight_state(flight, self._classes.get(flight.request_id))
+        rid = flight.request_id
+        return flight_state(flight, self._classes.get(rid), self._hashes.get(rid, ()))
 
     def _push(self, event: FlightEvent) -> None:
         self._seal(event.request_id)  # tokens so far go before this event, later ones after it
@@ -310,10 +329,16 @@ class SchedulerPlacement:
             await asyncio.sleep(self.cfg.report_interval_s)
 
     async def report_once(self) -> None:
-        """One round: loads and pending events to the actor; a rebuild if it asks for one."""
+        """One round: loads, telemetry (when due) and pending events to the actor; a rebuild if
+        it asks for one."""
         loads = await self._source.loads() if self._source is not None else {}
         now = time.time()
         descs = [worker_load(w, now, self.cfg.block_size) for w in loads.values()]
+        telemetry = []
+        if self._source is not None and time.monotonic() >= self._telemetry_due:
+            self._telemetry_due = time.monotonic() + self.cfg.telemetry_interval_s
+            got = await self._source.telemetry({name: self._cursors.get(name) for name in loads})
+            telemetry = [worker_telemetry(t) for t in got.values()]
         events = self._take_events()
         if events:
             self._pending.append((next(self._seq), events))
@@ -322,13 +347,16 @@ class SchedulerPlacement:
             self.stats.num_dropped_batches += drop
             del self._pending[:drop]
         try:
-            ack = await asyncio.wait_for(self.actor.report.remote(self.cfg.client_id, list(self._pending), descs),
-                                         self.cfg.call_timeout_s)
+            ack = await asyncio.wait_for(
+                self.actor.report.remote(self.cfg.client_id, list(self._pending), descs, telemetry),
+                self.cfg.call_timeout_s)
         except (RayError, asyncio.TimeoutError) as e:
             self.stats.num_report_failures += 1
             self._mark_down(e)
             return
         self.stats.num_reports += 1
+        self.stats.num_telemetry += len(telemetry)
+        self._cursors = {name: telemetry_cursor(c) for name, c in ack.cursors.items()}
         self._pending = [(s, b) for s, b in self._pending if s > ack.applied_seq]
         if ack.incarnation != self.stats.incarnation:
             if self.stats.incarnation is not None:

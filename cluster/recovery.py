@@ -52,6 +52,7 @@ def recover_worker(sched: "GlobalScheduler", name: WorkerName, now: float) -> li
     sched.workers.mark_dead(name)
     sched.index.drop(name)
     sched.models.drop(name)
+    sched.telemetry.drop(name)
     sched.counters.num_workers_lost += view is not None
     return [recover_entry(sched, entry, now, recompute[entry.request_id]) for entry in plan]
 

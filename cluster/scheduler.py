@@ -5,6 +5,7 @@ injected clock, so the Ray actor, the tests and the simulator all run this very 
 
     submit(desc)         -> Placement | Refusal     budget gate, best workers, SLO gate, priority
     on_report(load)      heartbeat, free blocks, step samples (cost-model fit), prefix holdings
+    on_telemetry(t)      a worker's numbered step samples and prefix changes, applied once
     on_stage / on_token  the request moves: prefill start/done, KV delivered, decode admitted
     on_finish / cancel   the request leaves; every account it charged is released
     on_worker_dead(name) -> [Placement | Refusal]   its requests re-placed, most urgent first
@@ -31,13 +32,14 @@ from cluster.bookings import Booking, Ledger
 from cluster.clock import Clock
 from cluster.config import SchedulerConfig
 from cluster.cost_model import CostModelBank
-from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName
+from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName, WorkerTelemetry
 from cluster.fairness import FairShareClock
 from cluster.journal import Journal, JournalEntry, Phase
 from cluster.ordering import SlackQueue, new_request_urgency_s, priority_key
 from cluster.placement import Fit, Placement, PlacementKind, PlacementPolicy
 from cluster.prefix_index import POOL, PrefixIndex
 from cluster.stats import LatencyWindow, SchedulerStats
+from cluster.telemetry import TelemetryInbox
 from cluster.tenants import Tenant, TenantRegistry
 from cluster.timeline import Stage, TimelineStore
 from cluster.workers import WorkerRegistry
@@ -65,6 +67,7 @@ class GlobalScheduler:
         self.admission = AdmissionController(cfg.admission)
         self.models = CostModelBank(cfg.cost_prior)
         self.index = PrefixIndex()
+        self.telemetry = TelemetryInbox()
         self.workers = WorkerRegistry(cfg.placement.max_num_seqs, self.models)
         self.policy = PlacementPolicy(cfg.placement, self.models, self.index)
         self.ledger = Ledger(self.workers)
@@ -187,6 +190,24 @@ class GlobalScheduler:
             self.index.replace(load.name, load.cached_full)
         self.index.remove(load.name, load.cached_removed)
         self.index.add(load.name, load.cached_added)
+
+    def on_telemetry(self, t: WorkerTelemetry) -> None:
+        """A known worker's numbered telemetry (relayed by an ingress): its new engine steps fit
+        its step-time model, its prefix-cache changes update the index. Repeats and overlaps are
+        applied once (`TelemetryInbox`); telemetry of a worker with no view (never reported, or
+        declared dead) is dropped."""
+        view = self.workers.get(t.name)
+        if view is None:
+            return
+        new = self.telemetry.accept(t)
+        if new.steps:
+            self.models.get(t.name).observe_all(new.steps)
+            view.observe_steps(new.steps)
+        if new.cached_full is not None:
+            self.index.replace(t.name, new.cached_full)
+        for added, removed in new.changes:
+            self.index.remove(t.name, removed)
+            self.index.add(t.name, added)
 
     def on_pool_report(self, added: Sequence[int] = (), removed: Sequence[int] = (),
                        full: frozenset[int] | None = None) -> None:

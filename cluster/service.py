@@ -3,8 +3,9 @@
 Mental model: a plain class (Ray-free, torch-free) that `cluster/actor.py` wraps in three lines.
 The ingress calls
     submit(desc, seed)                   -> Placement | Refusal      once per new request
-    report(client, batches, loads)       -> ReportAck                every ~100 ms: heartbeats
-                                            (worker loads), batched events, and restart detection
+    report(client, batches, loads, telemetry) -> ReportAck           every ~100 ms: heartbeats
+                                            (worker loads), batched events, the workers' step
+                                            times and prefix changes, and restart detection
     recover(client, dead, states)        -> [Placement | Refusal]    its requests that lost a
                                             worker, most urgent remaining SLO budget first
     rebuild(client, states, loads)       after a restart, when an ack asks for it
@@ -30,7 +31,7 @@ from cluster import recovery
 from cluster.admission import Refusal, RefusalReason
 from cluster.bookings import Booking
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName
+from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName, WorkerTelemetry
 from cluster.flights import EventKind, FlightEvent, FlightState, ReportAck
 from cluster.journal import JournalEntry, Phase
 from cluster.ordering import latest_start_s
@@ -53,6 +54,7 @@ class WallClock:
 class ServiceStats:
     incarnation: str = ""
     num_reports: int = 0
+    num_telemetry: int = 0  # worker telemetry windows received
     num_events: int = 0
     num_duplicate_batches: int = 0
     num_rebuilds: int = 0
@@ -85,13 +87,17 @@ class SchedulerService:
         return self.sched.submit(desc, seed=seed)
 
     def report(self, client: str, batches: Sequence[tuple[int, Sequence[FlightEvent]]],
-               loads: Sequence[WorkerLoad] = ()) -> ReportAck:
-        """Heartbeats and events of one ingress. Batches at or below the last applied sequence
-        number were applied before (a re-send after a timeout) and are skipped. Until `client`
-        has rebuilt this incarnation, its events are dropped: the rebuild supersedes them."""
+               loads: Sequence[WorkerLoad] = (), telemetry: Sequence[WorkerTelemetry] = ()) -> ReportAck:
+        """Heartbeats, worker telemetry and events of one ingress. Batches at or below the last
+        applied sequence number were applied before (a re-send after a timeout) and are skipped.
+        Until `client` has rebuilt this incarnation, its events are dropped: the rebuild
+        supersedes them."""
         self.counters.num_reports += 1
         for load in loads:
             self.sched.on_report(load)
+        for t in telemetry:
+            self.sched.on_telemetry(t)
+        self.counters.num_telemetry += len(telemetry)
         last = self._applied.get(client, 0)
         if client in self._rebuilt:
             for seq, events in batches:
@@ -112,7 +118,8 @@ class SchedulerService:
             result = self.sched.poll()
             expired = tuple(r.request_id for r in result.expired)
             self.counters.num_expired += len(expired)
-        return ReportAck(self.incarnation, client not in self._rebuilt, last, len(self.sched.journal), expired)
+        return ReportAck(self.incarnation, client not in self._rebuilt, last, len(self.sched.journal), expired,
+                         self.sched.telemetry.cursors())
 
     def _apply(self, event: FlightEvent) -> None:
         s, rid = self.sched, event.request_id

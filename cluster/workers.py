@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cluster.cost_model import CostModelBank, StepTimeModel
-from cluster.descriptors import RequestId, WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import RequestId, StepSample, WorkerKind, WorkerLoad, WorkerName
 from cluster.ordering import MinTracker, VictimQueue
 
 
@@ -61,9 +61,13 @@ class WorkerView:
         self.reported_running = load.num_running
         self.reported_waiting = load.num_waiting
         self.blocks_since_report = 0
-        rows = sum(s.num_decode_seqs for s in load.steps)
+        self.observe_steps(load.steps)
+
+    def observe_steps(self, steps: tuple[StepSample, ...]) -> None:
+        """Measured steps: the mean context per decode row (what a new row's step will read)."""
+        rows = sum(s.num_decode_seqs for s in steps)
         if rows:
-            measured = sum(s.num_context_tokens for s in load.steps) / rows
+            measured = sum(s.num_context_tokens for s in steps) / rows
             m = self.mean_context_tokens
             self.mean_context_tokens = measured if m is None else 0.5 * m + 0.5 * measured
 

@@ -54,6 +54,9 @@ class BlockPool:
         """Free queue in eviction order (front first)."""
         return list(self._free)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
+
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
 

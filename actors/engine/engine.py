@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,13 +30,14 @@ from actors.engine.errors import (
 from actors.engine.kv_cache_manager import KVCacheManager
 from actors.engine.model import CausalLM
 from actors.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_block
-from actors.engine.output import EngineStats, OutputProcessor, RequestOutput
+from actors.engine.output import EngineStats, OutputProcessor, RequestOutput, StepRecord
 from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import Sampler, SamplingParams, SamplingState
 from actors.engine.scheduler import ScheduledBatch, Scheduler
 from actors.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+STEP_RECORDS_KEPT = 1024  # steps not taken by a reader (`take_step_records`) fall off the end
 
 
 def _return_freed_memory() -> None:
@@ -83,6 +85,7 @@ class Engine:
         self._num_steps = 0
         self._last_step_s = 0.0
         self._num_forwarded_tokens = 0
+        self._step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_KEPT)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, cfg: EngineConfig | None = None) -> "Engine":
@@ -326,7 +329,15 @@ class Engine:
         batch, due = prepared.batch, prepared.due
         self._executing = set()
         outputs = []
+        prefill_tokens, prefill_pairs, decode_rows, decode_context = 0, 0.0, 0, 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            if n == 1 and start > 0:
+                decode_rows += 1
+                decode_context += start + 1
+            else:
+                prefill_tokens += n
+                prefill_pairs += n * (start + n / 2.0)
             req.num_computed_tokens += n
             req.num_forwarded_tokens += n
             self.kv.cache_computed_blocks(req)
@@ -350,7 +361,21 @@ class Engine:
         self._aborted = set()
         self._num_steps += 1
         self._last_step_s = time.perf_counter() - prepared.started_s
+        self._step_records.append(
+            StepRecord(prefill_tokens, prefill_pairs, decode_rows, decode_context, self._last_step_s))
         return outputs
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The steps since the last call (the newest `STEP_RECORDS_KEPT` at most), oldest first."""
+        out = []
+        while self._step_records:
+            out.append(self._step_records.popleft())
+        return out
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Hashes of the prefix blocks this engine holds (in use or evictable): what a router
+        matches prompts against. O(cached blocks); call between steps (`AsyncEngine.locked`)."""
+        return self.kv.pool.cached_hashes()
 
     def _finish(self, req: Request, status: RequestStatus, make_output=None):  # type: ignore[no-untyped-def]
         self.scheduler.finish(req, status, free_kv=not req.hold_kv)

@@ -33,6 +33,19 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """One engine step's work and wall time, for a scheduler's step-time model. Decode rows are
+    the single-token chunks after some context; every other chunk is prefill, its attention work
+    counted as query-key pairs: new x (context before it + new / 2)."""
+
+    num_prefill_tokens: int
+    num_prefill_pairs: float
+    num_decode_seqs: int
+    num_context_tokens: int  # KV the decode rows read, their new token included
+    step_s: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int

@@ -294,6 +294,9 @@ class _Source:
     async def loads(self) -> dict[str, ActorLoad]:
         return {w.name: w for w in self.lds}
 
+    async def telemetry(self, cursors: object) -> dict[str, object]:
+        return {}
+
 
 def test_without_the_actor_requests_are_placed_locally_and_adopted_later() -> None:
     from cluster.link import LinkConfig
