@@ -167,30 +167,6 @@ class PlacementPolicy:
         wait, fetch, hit, pool_blocks = best_parts
         return PrefillChoice(best, wait, fetch, best_ttft - wait - fetch, hit, pool_blocks)
 
-    def _row_fit(self, w: WorkerView, tpot_s: float | None, total_tokens: int,
-                 context_tokens: int) -> tuple[float | None, float, float, bool]:
-        """(tightest TPOT target with this request's, step time per row, predicted step with one
-        more row and everything committed, whether the row and its KV fit `w` now)."""
-        t = w.model.theta  # inlined step-time model: this is the hot path
-        tight = w.tpot_targets.min()
-        if tpot_s is not None and (tight is None or tpot_s < tight):
-            tight = tpot_s
-        ctx = w.mean_context_tokens
-        if ctx is None:
-            ctx = w.active_context_tokens / w.num_active if w.num_active else float(context_tokens)
-        per_row = t[3] * 1e-2 + t[4] * ctx * 1e-5
-        rows = w.num_active + 1
-        # Rows fit iff the step with one more row stays within the tightest target (the batch
-        # cap, `batch_cap`, without solving for it); a lone row always fits.
-        rows_ok = rows <= w.max_num_seqs and (
-            tight is None or rows == 1 or t[0] + per_row * rows <= self.cfg.decode_tpot_safety * tight)
-        step = t[0] + per_row * (rows + w.num_committed)
-        if step < self.models.prior.min_step_s:
-            step = self.models.prior.min_step_s
-        free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
-        fits = rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size)
-        return tight, per_row, step, fits
-
     def choose_local(self, num_tokens: int, matches: dict[WorkerName, int], rank: int, feasible: list[Fit],
                      beat_s: float = math.inf) -> tuple[PrefillChoice, DecodeChoice] | None:
         """Best decode worker to prefill `num_tokens` itself and then decode them, by predicted
@@ -241,16 +217,30 @@ class PlacementPolicy:
         victim, victim_head, victim_step, victim_n = None, -math.inf, 0.0, 0
         min_step = self.models.prior.min_step_s
         for w in workers:
-            tight, per_row, step, fits = self._row_fit(w, tpot_s, total_tokens, context_tokens)
+            t = w.model.theta  # inlined step-time model: this loop is the hot path
+            tight = w.tpot_targets.min()
+            if tpot_s is not None and (tight is None or tpot_s < tight):
+                tight = tpot_s
+            ctx = w.mean_context_tokens
+            if ctx is None:
+                ctx = w.active_context_tokens / w.num_active if w.num_active else float(context_tokens)
+            per_row = t[3] * 1e-2 + t[4] * ctx * 1e-5
+            rows = w.num_active + 1
+            # Rows fit iff the step with one more row stays within the tightest target (the
+            # batch cap, `batch_cap`, without solving for it); a lone row always fits.
+            rows_ok = rows <= w.max_num_seqs and (
+                tight is None or rows == 1 or t[0] + per_row * rows <= safety * tight)
+            step = t[0] + per_row * (rows + w.num_committed)
+            if step < min_step:
+                step = min_step
             head = (tight if tight is not None else 0.0) - step
-            if fits:
+            free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
+            if rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size):
                 if feasible is not None:
                     feasible.append((w, tight, per_row, step))
                 if head > best_head:
                     best, best_head, best_step = w, head, step
                 continue
-            t = w.model.theta
-            rows = w.num_active + 1
             cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight, w.max_num_seqs)
             excess = max(1, rows - cap)
             if interactive and len(w.victims) >= excess and head > victim_head:

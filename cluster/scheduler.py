@@ -115,17 +115,19 @@ class GlobalScheduler:
                 num_tokens, matches, rank, [pview])
         else:
             prefill_choice = self.policy.choose_prefill(num_tokens, matches, rank, self.workers.prefill)
-        feasible: list[Fit] | None = [] if self.cfg.placement.local_prefill and kind is not PlacementKind.REDIRECT else None
+        # A decode worker prefilling for itself can only start sooner when the best prefill
+        # worker has work queued (idle, that worker computes as much, in steps without rows).
+        local = self.cfg.placement.local_prefill and kind is not PlacementKind.REDIRECT and (
+            prefill_choice is None or prefill_choice.wait_s > 0)
+        feasible: list[Fit] | None = [] if local else None
         decode_choice = self.policy.choose_decode(
             entry.tpot_s, rank == 0, num_tokens + remaining_out, num_tokens, remaining_out,
             self.workers.decode, feasible)
-        # A decode worker prefilling for itself can only start sooner when the best prefill
-        # worker has work queued (idle, that worker computes as much, in steps without rows).
-        if feasible and (prefill_choice is None or prefill_choice.wait_s > 0):
-            local = self.policy.choose_local(num_tokens, matches, rank, feasible,
-                                             math.inf if prefill_choice is None else prefill_choice.ttft_s)
-            if local is not None:
-                prefill_choice, decode_choice = local
+        if feasible:
+            mine = self.policy.choose_local(num_tokens, matches, rank, feasible,
+                                            math.inf if prefill_choice is None else prefill_choice.ttft_s)
+            if mine is not None:
+                prefill_choice, decode_choice = mine
         if prefill_choice is None or decode_choice is None:
             return Refusal(rid, RefusalReason.NO_HEALTHY_WORKER, self.cfg.heartbeat_timeout_s,
                            "no healthy prefill and decode workers")

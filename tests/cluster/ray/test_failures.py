@@ -25,6 +25,7 @@ from actors.pd_client import PDClient
 from actors.recovery import DECODING, PREFILLING, RecoveryConfig, RecoveryRecord
 from actors.worker_config import ClientConfig, WorkerConfig
 from cluster.config import SchedulerConfig
+from cluster.cost_model import StepCostPrior, StepTimeModel
 from cluster.descriptors import TenantId
 from cluster.link import LinkConfig, SchedulerPlacement
 from cluster.tenants import InteractiveSlo, TenantConfig
@@ -212,6 +213,45 @@ async def async_wait_until(cond: Callable[[], bool], timeout_s: float, what: str
 
 
 # ---- the tests --------------------------------------------------------------------------------
+
+
+def test_workers_telemetry_fits_the_scheduler_and_steers_a_shared_prefix(dep: Deployment) -> None:
+    """Before any failure: the workers' step times reach the scheduler actor (its models leave the
+    prior) and their prefix caches steer a request sharing a prompt prefix to where it is held."""
+    import ray
+
+    first = GenerationRequest("tele-a", random_tokens(200, seed=4000), replace(GREEDY, max_tokens=8), tenant="t0")
+    follow = GenerationRequest("tele-b", list(first.prompt_token_ids[:192]) + random_tokens(40, seed=4001),
+                               replace(GREEDY, max_tokens=8), tenant="t0")
+
+    decoded_by: set[str] = set()
+
+    async def run(req: GenerationRequest) -> None:
+        async for event in dep.client.generate(req):
+            decoded_by.add(event.worker)
+
+    async def two_telemetry_rounds() -> None:
+        # From every worker: the last steps and cache diffs (taken every 0.2 s) are relayed by then.
+        seen = dep.link.stats.num_telemetry
+        await async_wait_until(lambda: dep.link.stats.num_telemetry >= seen + 2 * len(dep.survivors()), 30.0,
+                               "two telemetry rounds")
+
+    async def main() -> None:
+        await run(first)
+        await two_telemetry_rounds()
+        await run(follow)
+        await two_telemetry_rounds()
+
+    asyncio.run(main())
+    a, b = dep.client.prefill_result("tele-a"), dep.client.prefill_result("tele-b")
+    assert a is not None and b is not None
+    assert b.worker == a.worker and b.num_local_hit_blocks == 192 // 16
+    prior = StepTimeModel(StepCostPrior()).coefficients
+    stats = ray.get(dep.scheduler.stats.remote(), timeout=30)
+    assert {w.name for w in stats.workers} == set(dep.survivors())
+    # The workers that ran steps are modelled from them; the others are still at the prior.
+    ran = decoded_by | {a.worker}
+    assert {w.name for w in stats.workers if w.step_model_coefficients != prior} == ran, stats.workers
 
 
 def test_decode_worker_killed_with_eight_streams_in_flight(dep: Deployment) -> None:
