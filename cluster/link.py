@@ -161,12 +161,13 @@ class SchedulerPlacement:
     def _choice(self, req: GenerationRequest, prefill: str | None, decode: str, prefills: Sequence[WorkerLoad],
                 decodes: Sequence[WorkerLoad]) -> PlacementChoice:
         """The scheduler's choice first, then the rest by load; workers this ingress has seen
-        dead are skipped even if the scheduler has not heard yet."""
+        dead are skipped even if the scheduler has not heard yet. A prefill placed on the decode
+        worker itself (`Placement.local`) means no handoff: the decode worker runs it whole."""
         local = self.local.place(req, prefills, decodes)
         healthy = {w.name for w in (*prefills, *decodes) if w.healthy}
         first = (decode,) if decode in healthy else ()
         chosen_prefill = None
-        if local.prefill is not None:
+        if local.prefill is not None and not (prefill == decode and first):
             chosen_prefill = prefill if prefill in healthy else local.prefill
         return PlacementChoice(chosen_prefill, first + tuple(d for d in local.decodes if d != decode))
 

@@ -7,7 +7,9 @@
   instance with the fewest, FCFS everywhere, no admission control, no batch cap: what a
   disaggregated deployment gets from a load-aware but SLO-blind router.
 - `Ours`: the real `cluster.scheduler.GlobalScheduler` (not a copy) driven through the same
-  calls the Ray integration makes: submit, stage/token/finish events, load reports, poll.
+  calls the Ray integration makes: submit, stage/token/finish events, load reports, poll. With
+  `local_prefill` on (the default of `python -m bench.sim`), decode instances also prefill the
+  requests the scheduler places on them, in chunks of `local_chunk_tokens`.
 After a failure, the baselines re-dispatch the lost requests in arrival order once the death is
 detected; ours follows the scheduler's recovery plan.
 """

@@ -323,3 +323,42 @@ def test_without_the_actor_requests_are_placed_locally_and_adopted_later() -> No
     events = [e for _, batch in link._pending for e in batch] + link._events
     adopt = [e for e in events if e.kind is EventKind.ADOPT]
     assert adopt and adopt[-1].state is not None and adopt[-1].state.prefill_worker == "p0"
+
+
+class _Answers:
+    """A scheduler actor handle that answers `submit` with `placement` and acknowledges reports."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def __getattr__(self, method: str) -> object:
+        from types import SimpleNamespace
+
+        from cluster.flights import ReportAck
+
+        async def call(*args: object) -> object:
+            if method == "submit":
+                return self.placement
+            assert method == "report", method
+            return ReportAck("test", False, 0, 0)
+
+        return SimpleNamespace(remote=call)
+
+
+def test_a_prefill_placed_on_its_decode_worker_runs_there_whole() -> None:
+    from cluster.link import LinkConfig
+    from cluster.ordering import PriorityKey
+
+    lds = [ActorLoad(n, "prefill" if n[0] == "p" else "decode", 0, 0, 0, 100, 100, 0.0, True) for n in ("p0", "d0", "d1")]
+    placed = Placement(RequestId("a"), WorkerName("d1"), WorkerName("d1"), PriorityKey(0, 0.0, 0))
+    assert placed.local
+
+    async def main() -> PlacementChoice:
+        link = SchedulerPlacement(_Answers(placed), LinkConfig(), config())  # type: ignore[arg-type]
+        link.attach(_Source([], lds))
+        try:
+            return await link.admit(request("a"), lds[:1], lds[1:])
+        finally:
+            link.close()
+
+    assert asyncio.run(main()) == PlacementChoice(None, ("d1", "d0"))
