@@ -5,7 +5,8 @@ with the MiniLM embedder (a loaded model must not be pickled across), so the mod
 however many ingress replicas call it. It is an async actor: concurrent `lookup_many` calls from
 all callers meet in the service's batcher and share one embedding forward. It saves on the
 service's timer, on `close()`, and at a graceful exit (`__ray_terminate__`: atexit runs); a killed
-one keeps what its last save wrote. `RaySemanticCache` adapts a handle to the `SemanticCache`
+one keeps what its last save wrote, and a crashed one is restarted (up to `MAX_RESTARTS`)
+and reloads it. `RaySemanticCache` adapts a handle to the `SemanticCache`
 contract, each call bounded by `timeout_s`, Ray's failures turned into `SemanticCacheUnavailable`.
 `start_semantic_cache` / `stop_semantic_cache` are the owner's side: start and wait for the load,
 save and kill. This file is the only one in the package that imports Ray.
@@ -58,7 +59,10 @@ class _ActorService(SemanticCacheService):
 
 
 # No CPU reserved: it must never be what keeps the embedded default from fitting on 2 cores.
-SemanticCacheActor = ray.remote(num_cpus=0, max_restarts=0)(_ActorService)
+# A crashed actor is restarted by Ray and reloads its folder's last save (its __init__ does); the
+# calls that meet it while it restarts fail as `SemanticCacheUnavailable`, i.e. are served as misses.
+MAX_RESTARTS = 3
+SemanticCacheActor = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS)(_ActorService)
 
 
 class RaySemanticCache:

@@ -134,3 +134,23 @@ def test_restart_keeps_entries_however_the_actor_ended(ray_cluster: ModuleType, 
     assert [hit_text(cache, KEY, p) for p in PARAPHRASES[:3]] == ["answer 0", "answer 1", "answer 2"]
     assert hit_text(cache, OTHER_TENANT, STORED[0]) is None
     stop_semantic_cache(fourth)
+
+
+def test_a_crashed_actor_comes_back_with_its_last_save(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    from actors.semantic_cache.actor import stop_semantic_cache
+
+    actor = start(tmp_path, save_interval_s=None, save_every=1)  # every insert saved
+    cache = cache_of(actor)
+    asyncio.run(cache.insert(KEY, STORED[0], answer(0)))
+    ray_cluster.kill(actor, no_restart=False)  # a crash: Ray restarts it, the same handle serves on
+    deadline = time.monotonic() + 240  # a fresh process loads torch + MiniLM on a busy 2-core box
+    while True:
+        try:
+            if hit_text(cache, KEY, PARAPHRASES[0]) == "answer 0":
+                break
+        except SemanticCacheUnavailable:
+            pass  # restarting: a miss to the caller
+        assert time.monotonic() < deadline, "the restarted actor never served its saved entry"
+        time.sleep(0.2)
+    assert asyncio.run(cache.stats()).size == 1  # reloaded from the save, nothing duplicated
+    stop_semantic_cache(actor)
