@@ -6,11 +6,12 @@ first CUDA call. Layout and contracts: `kernels/metadata.py`, `kernels/reference
 """
 
 from kernels.dispatch import (
-    dequantize_fp8, dequantize_int8, paged_attention, quantize_fp8, quantize_int8, write_kv,
+    dequantize_fp8, dequantize_int8, dequantize_int8_kv, paged_attention, quantize_fp8, quantize_int8,
+    quantize_int8_kv, write_kv,
 )
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
-    "AttentionMetadata", "dequantize_fp8", "dequantize_int8", "paged_attention", "quantize_fp8",
-    "quantize_int8", "write_kv",
+    "AttentionMetadata", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "paged_attention",
+    "quantize_fp8", "quantize_int8", "quantize_int8_kv", "write_kv",
 ]

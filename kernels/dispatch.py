@@ -12,7 +12,8 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from kernels.quant import (
-    dequantize_fp8_ref, dequantize_int8_ref, quantize_fp8_ref, quantize_int8_ref,
+    dequantize_fp8_ref, dequantize_int8_kv_ref, dequantize_int8_ref, quantize_fp8_ref, quantize_int8_kv_ref,
+    quantize_int8_ref,
 )
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from kernels.triton_support import use_triton
@@ -117,6 +118,26 @@ def dequantize_int8(
 
         return dequantize_int8_triton(q.contiguous(), scale.contiguous(), dtype)
     return dequantize_int8_ref(q, scale, dtype)
+
+
+def quantize_int8_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[L, 2, n, bs, H, D] float -> (int8 like kv, K scales [L, n, H, D] bf16 (per channel),
+    V scales [L, n, bs, H] bf16 (per token)); see kernels/quant.py."""
+    if use_triton(kv):
+        from kernels.triton_quant import quantize_int8_kv_triton
+
+        return quantize_int8_kv_triton(kv.contiguous())
+    return quantize_int8_kv_ref(kv)
+
+
+def dequantize_int8_kv(
+    q: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    if use_triton(q, k_scale, v_scale):
+        from kernels.triton_quant import dequantize_int8_kv_triton
+
+        return dequantize_int8_kv_triton(q.contiguous(), k_scale.contiguous(), v_scale.contiguous(), dtype)
+    return dequantize_int8_kv_ref(q, k_scale, v_scale, dtype)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

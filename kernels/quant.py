@@ -1,19 +1,30 @@
-"""KV (de)quantization references: int8 per (token, head), fp8 e4m3 per block. The CPU path and the
-ground truth for `kernels/triton_quant.py`.
+"""KV (de)quantization references: int8 per (token, head), int8 KV blocks (K per channel, V per
+token), fp8 e4m3 per block. The CPU path and the ground truth for `kernels/triton_quant.py`.
 
 Mental model: a scale maps the largest magnitude of its group onto the format's largest value, so
 nothing saturates and every group uses the whole code range.
 - int8, one scale per row of `head_dim` values (one token of one head): scale = amax / 127,
-  q = round_half_even(x / scale) in [-127, 127]. Used for int8 KV storage and transfer.
+  q = round_half_even(x / scale) in [-127, 127]. Used for int8 KV storage.
   Bound: |x - dequant(q)| <= scale / 2 per element, plus float32 rounding of the division and the
   product, at most 2^-15 * scale; so |x - x̂| <= scale * (1/2 + 2^-15).
+- int8 KV blocks (the transfer codec's int8), on KV as read out of a paged cache,
+  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: K gets one scale per (layer,
+  block, head, channel) over the block's tokens, V one per (layer, block, token, head) over head_dim.
+  K has outlier channels (on SmolLM2 the channel maxima of one head span 0.3 to 15): a per-token
+  scale is set by the few large channels and leaves the small ones a handful of codes; a
+  per-channel one gives each channel its own range. V has no such channels and is read per token,
+  so it keeps per-token scales (KIVI, arXiv 2402.02750). Per block, so a block decodes on its own.
+  Scales are bfloat16, rounded *up* from amax / 127 by integer arithmetic on the float32 bits (so
+  nothing exceeds 127, and torch and triton agree bit for bit); at most 2^-7 above amax / 127.
+  Bound, with s the stored scale of the element's group: |x - x̂| <= s * (1/2 + 2^-15).
+  Bytes per block of one head: bs * D + 2 * D (K) and bs * D + 2 * bs (V).
 - fp8 e4m3 (`torch.float8_e4m3fn`, 3 mantissa bits, max 448), one scale per leading index (a KV block
   of one layer: [block_size, num_kv_heads, head_dim]): scale = amax / 448. Normal values
   (|x / scale| >= 2^-6) round to 3 mantissa bits, relative error <= 2^-4; below that the subnormal
   spacing 2^-9 gives an absolute floor 2^-10 * scale. Bound (covers float32 rounding too):
   |x - x̂| <= 2^-4 * |x| + 2^-10 * scale.
 An all-zero group gets scale 0 and quantizes to zeros (no division by zero).
-Both directions compute in float32 whatever the input dtype.
+All directions compute in float32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -38,8 +49,44 @@ def quantize_int8_ref(
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / INT8_MAX  # [...]
     y = xf / _safe(scale).unsqueeze(-1)
-    q = torch.round(y).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    return _int8_codes(y), scale
+
+
+def _int8_codes(y: torch.Tensor) -> torch.Tensor:
+    return torch.round(y).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def ceil_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value >= x, for finite float32 x >= 0, returned as float32: add the
+    dropped 16 bits' maximum and truncate (exact, no rounding mode involved)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+
+
+def quantize_int8_kv_ref(
+    kv: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q int8 like kv, k_scale [num_layers, num_blocks, num_kv_heads, head_dim] bf16,
+    v_scale [num_layers, num_blocks, block_size, num_kv_heads] bf16): K per channel over each
+    block's tokens, V per token. Round trip: |x - x̂| <= s * (1/2 + 2^-15), s the element's scale."""
+    k, v = kv.float().unbind(1)  # [L, n, bs, H, D] each
+    k_scale = ceil_bf16(k.abs().amax(dim=2) / INT8_MAX)  # [L, n, H, D]
+    v_scale = ceil_bf16(v.abs().amax(dim=-1) / INT8_MAX)  # [L, n, bs, H]
+    qk = _int8_codes(k / _safe(k_scale).unsqueeze(2))
+    qv = _int8_codes(v / _safe(v_scale).unsqueeze(-1))
+    return torch.stack((qk, qv), dim=1), k_scale.bfloat16(), v_scale.bfloat16()
+
+
+def dequantize_int8_kv_ref(
+    q: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] int8
+    k_scale: torch.Tensor,  # [num_layers, num_blocks, num_kv_heads, head_dim] bf16
+    v_scale: torch.Tensor,  # [num_layers, num_blocks, block_size, num_kv_heads] bf16
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    qk, qv = q.float().unbind(1)
+    k = qk * k_scale.float().unsqueeze(2)
+    v = qv * v_scale.float().unsqueeze(-1)
+    return torch.stack((k, v), dim=1).to(dtype)
 
 
 def dequantize_int8_ref(

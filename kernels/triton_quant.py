@@ -1,5 +1,6 @@
-"""Triton KV (de)quantization: int8 per (token, head) and fp8 e4m3 per block, bit-exact with
-`kernels/quant.py` (same float32 math, same rounding; see there for the error bounds).
+"""Triton KV (de)quantization: int8 per (token, head), int8 KV blocks (K per channel, V per token,
+bf16 scales) and fp8 e4m3 per block, bit-exact with `kernels/quant.py` (same float32 math, same
+rounding; see there for the error bounds).
 
 Mental model: these are pure bandwidth kernels, one pass over memory (the fp8 one reads each block
 twice, the second time from L2). Two choices keep them bit-exact with torch *and* runnable in the
@@ -33,8 +34,19 @@ def quantize_rows_int8(x):
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)  # `/` is approximate on GPU
     safe = tl.where(scale > 0, scale, 1.0)
     y = tl.math.div_rn(x, safe[:, None])
-    q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
-    return q.to(tl.int8), scale
+    return int8_codes(y), scale
+
+
+@triton.jit
+def int8_codes(y):
+    return tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def ceil_bf16(s):
+    """s float32 >= 0 -> the smallest bfloat16 value >= s, as float32 (exact in bf16)."""
+    bits = s.to(tl.int32, bitcast=True)
+    return ((bits + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -70,6 +82,68 @@ def _int8_dequant_kernel(
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
     scale = tl.load(scale_ptr + rows, mask=rows < num_rows, other=0.0)
     tl.store(out_ptr + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kv_block_tile(num_blocks, KV: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                   BS_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """Offsets of this program's [BS_PAD, D_PAD] tile (one block of one head of K or V) in
+    [L, 2, num_blocks, BS, H, D], its mask, and the offsets of its scales: K [L, n, H, D] (one per
+    channel), V [L, n, BS, H] (one per token)."""
+    lb = tl.program_id(0).to(tl.int64)  # layer * num_blocks + block
+    h = tl.program_id(1)
+    t = tl.arange(0, BS_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (t < BS)[:, None] & (d < D)[None, :]
+    base = ((lb // num_blocks * 2 + KV) * num_blocks + lb % num_blocks) * (BS * H * D) + h * D
+    offs = base + t[:, None] * (H * D) + d[None, :]
+    if KV == 0:
+        s_offs = (lb * H + h) * D + d
+        s_mask = d < D
+    else:
+        s_offs = (lb * BS + t) * H + h
+        s_mask = t < BS
+    return offs, mask, s_offs, s_mask
+
+
+@triton.jit
+def _int8_kv_quant_kernel(
+    x_ptr,  # [L, 2, num_blocks, BS, H, D] float, contiguous
+    q_ptr,  # [L, 2, num_blocks, BS, H, D] int8
+    scale_ptr,  # K: [L, num_blocks, H, D] bf16; V: [L, num_blocks, BS, H] bf16
+    num_blocks,
+    KV: tl.constexpr,  # 0: K, a scale per channel over the block's tokens; 1: V, one per token
+    BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    offs, mask, s_offs, s_mask = _kv_block_tile(num_blocks, KV, BS, H, D, BS_PAD, D_PAD)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BS_PAD, D_PAD]
+    scale = ceil_bf16(tl.math.div_rn(tl.max(tl.abs(x), axis=KV), 127.0))  # [D_PAD] or [BS_PAD]
+    safe = tl.where(scale > 0, scale, 1.0)
+    if KV == 0:
+        y = tl.math.div_rn(x, safe[None, :])
+    else:
+        y = tl.math.div_rn(x, safe[:, None])
+    tl.store(q_ptr + offs, int8_codes(y), mask=mask)
+    tl.store(scale_ptr + s_offs, scale.to(scale_ptr.dtype.element_ty), mask=s_mask)
+
+
+@triton.jit
+def _int8_kv_dequant_kernel(
+    q_ptr,  # [L, 2, num_blocks, BS, H, D] int8
+    scale_ptr,  # K: [L, num_blocks, H, D] bf16; V: [L, num_blocks, BS, H] bf16
+    out_ptr,  # [L, 2, num_blocks, BS, H, D] float
+    num_blocks,
+    KV: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+    BS_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    offs, mask, s_offs, s_mask = _kv_block_tile(num_blocks, KV, BS, H, D, BS_PAD, D_PAD)
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
+    scale = tl.load(scale_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+    if KV == 0:
+        x = q * scale[None, :]
+    else:
+        x = q * scale[:, None]
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -174,6 +248,56 @@ def dequantize_int8_triton(
     if rows:
         _int8_dequant_kernel[(triton.cdiv(rows, block_r),)](
             q, scale, out, rows, D=d, D_PAD=next_pow2(d), BLOCK_R=block_r)
+    return out
+
+
+def _check_kv_blocks(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 6 or t.shape[1] != 2 or not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous [num_layers, 2, num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got {tuple(t.shape)}")
+
+
+def _kv_grid(x: torch.Tensor) -> tuple[tuple[int, int], dict[str, int]]:
+    """A program per (layer, block) and head, and the tile's constexprs."""
+    num_layers, _, num_blocks, bs, h, d = x.shape
+    return (num_layers * num_blocks, h), dict(BS=bs, H=h, D=d, BS_PAD=next_pow2(bs), D_PAD=next_pow2(d))
+
+
+def quantize_int8_kv_triton(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kv [L, 2, n, bs, H, D] float, contiguous -> (q int8 [same], k_scale [L, n, H, D] bf16,
+    v_scale [L, n, bs, H] bf16)."""
+    check_device(kv)
+    check_dtype("kv", kv, FLOAT_KV_DTYPES)
+    _check_kv_blocks("kv", kv)
+    num_layers, _, n, bs, h, d = kv.shape
+    q = torch.empty(kv.shape, dtype=torch.int8, device=kv.device)
+    k_scale = torch.empty((num_layers, n, h, d), dtype=torch.bfloat16, device=kv.device)
+    v_scale = torch.empty((num_layers, n, bs, h), dtype=torch.bfloat16, device=kv.device)
+    if kv.numel():
+        grid, consts = _kv_grid(kv)
+        for i, scale in enumerate((k_scale, v_scale)):
+            _int8_kv_quant_kernel[grid](kv, q, scale, n, KV=i, **consts)
+    return q, k_scale, v_scale
+
+
+def dequantize_int8_kv_triton(
+    q: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """q [L, 2, n, bs, H, D] int8, k_scale [L, n, H, D] bf16, v_scale [L, n, bs, H] bf16 -> dtype like q."""
+    check_device(q, k_scale, v_scale)
+    check_dtype("q", q, (torch.int8,))
+    _check_kv_blocks("q", q)
+    num_layers, _, n, bs, h, d = q.shape
+    for name, scale, shape in (("k_scale", k_scale, (num_layers, n, h, d)), ("v_scale", v_scale, (num_layers, n, bs, h))):
+        check_dtype(name, scale, (torch.bfloat16,))
+        check_shape(name, scale, shape)
+        if not scale.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if q.numel():
+        grid, consts = _kv_grid(q)
+        for i, scale in enumerate((k_scale, v_scale)):
+            _int8_kv_dequant_kernel[grid](q, scale, out, n, KV=i, **consts)
     return out
 
 

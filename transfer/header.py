@@ -4,7 +4,7 @@ Layout (little endian; the payload starts at `header_len`, a multiple of 64 so t
 viewed in place):
 
     prefix (the same in every version)   magic "FKVS" | version u16 | reserved u16 | header_len u32 | crc32 u32
-    body, version 1                      layout_id u64 | transfer_id u64 | raw_bytes u64 | payload_bytes u64 |
+    body, version 2                      layout_id u64 | transfer_id u64 | raw_bytes u64 | payload_bytes u64 |
                                          num_blocks u32 | block_size u32 | num_layers u16 | layer_start u16 |
                                          layer_end u16 | shard_index u16 | num_shards u16 | num_kv_heads u16 |
                                          head_dim u16 | dtype u8 | compression u8
@@ -16,6 +16,10 @@ body, hashes, payload) is caught. Checks run in the order that gives the right e
 length (else `CorruptShard`), checksum (`CorruptShard`), version (`IncompatiblePeer`); the layout
 check belongs to the codec. Freezing the prefix is what lets a peer of any version be refused with
 a clear message instead of a misparse.
+
+The version covers the payload too. Version 2 changed only the `int8` payload (codec.py: per-channel
+K scales, per-token V scales, both bf16); its header is version 1's, so a version-1 peer is refused
+rather than misread.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from transfer.transport import CorruptShard, IncompatiblePeer
 
 MAGIC = b"FKVS"
-VERSION = 1
+VERSION = 2
 HASH_BYTES = 16  # the engine's BlockHash width (actors/engine/block_hash.py), fixed by the format
 ALIGN = 64
 

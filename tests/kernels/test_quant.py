@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernels.quant import (
-    FP8_DTYPE, dequantize_fp8_ref, dequantize_int8_ref, quantize_fp8_ref, quantize_int8_ref,
+    FP8_DTYPE, ceil_bf16, dequantize_fp8_ref, dequantize_int8_kv_ref, dequantize_int8_ref, quantize_fp8_ref,
+    quantize_int8_kv_ref, quantize_int8_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,6 +43,59 @@ def test_int8_ref_equals_numpy_math() -> None:
         want = np.zeros_like(row) if s == 0 else np.clip(np.rint(row / s), -127, 127)
         assert scale[idx].item() == s
         assert np.array_equal(q[idx].numpy(), want.astype(np.int8))
+
+
+def test_ceil_bf16_is_the_next_bf16_up() -> None:
+    x = torch.cat([_wide_range((1000,), seed=6).abs(), torch.tensor([0.0, 1.0, 1.0 + 2.0**-8, 3.0e38])])
+    up = ceil_bf16(x)
+    assert torch.equal(up.bfloat16().float(), up)  # a bf16 value
+    assert (up >= x).all()
+    below = torch.nextafter(up.bfloat16(), torch.tensor(0.0, dtype=torch.bfloat16)).float()
+    assert ((below < x) | (x == 0)).all()  # the next bf16 down is already below x: the smallest one
+    assert (up[x > 0] / x[x > 0]).max() <= 1 + 2.0**-7
+    assert ceil_bf16(torch.tensor([1.0 + 2.0**-8])).item() == 1.0 + 2.0**-7
+
+
+def _kv_blocks(seed: int, shape: tuple[int, ...] = (2, 2, 3, 5, 3, 24)) -> torch.Tensor:
+    """[L, 2, n, bs, H, D], odd sizes; K with two outlier channels, one all-zero block."""
+    x = _wide_range(shape, seed)
+    x[:, 0, ..., :2] *= 50.0
+    x[1, :, 2] = 0.0
+    return x
+
+
+def test_int8_kv_ref_equals_numpy_math() -> None:
+    kv = _kv_blocks(seed=7)
+    q, k_scale, v_scale = quantize_int8_kv_ref(kv)
+    assert k_scale.dtype == v_scale.dtype == torch.bfloat16
+    xn = kv.numpy().astype(np.float32)
+
+    def codes(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(x / np.where(s > 0, s, 1)), -127, 127).astype(np.int8)
+
+    def scale(amax: np.ndarray) -> np.ndarray:
+        # amax / 127 rounded up to bf16: the float32 bits with the low 16 cleared, plus one bf16 step if any were set
+        bits = (amax / np.float32(127)).astype(np.float32).view(np.uint32)
+        return ((bits & 0xFFFF0000) + np.where(bits & 0xFFFF, 0x10000, 0)).astype(np.uint32).view(np.float32)
+
+    k, v = xn[:, 0], xn[:, 1]  # [L, n, bs, H, D]
+    ks = scale(np.abs(k).max(axis=2))  # [L, n, H, D]: over the block's tokens
+    vs = scale(np.abs(v).max(axis=-1))  # [L, n, bs, H]: over head_dim
+    assert np.array_equal(k_scale.float().numpy(), ks) and np.array_equal(v_scale.float().numpy(), vs)
+    assert np.array_equal(q[:, 0].numpy(), codes(k, ks[:, :, None]))
+    assert np.array_equal(q[:, 1].numpy(), codes(v, vs[..., None]))
+
+
+def test_int8_kv_round_trip_within_bound() -> None:
+    kv = _kv_blocks(seed=8, shape=(3, 2, 4, 16, 2, 64))
+    q, k_scale, v_scale = quantize_int8_kv_ref(kv)
+    err = (kv - dequantize_int8_kv_ref(q, k_scale, v_scale)).abs()
+    s = torch.stack((k_scale.float().unsqueeze(2).expand_as(kv[:, 0]), v_scale.float().unsqueeze(-1).expand_as(kv[:, 1])), 1)
+    bound = s * (0.5 + 2.0**-15)
+    assert (err <= bound).all()
+    assert (q[1, :, 2] == 0).all() and (k_scale[1, 2] == 0).all() and (v_scale[1, 2] == 0).all()
+    assert (err / bound.clamp_min(1e-30)).max() > 0.95  # tight: half a step is reached
+    assert dequantize_int8_kv_ref(q, k_scale, v_scale, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_fp8_ref_equals_nearest_grid_value() -> None:
@@ -148,6 +202,20 @@ def test_fp8_triton_equals_ref(dtype: torch.dtype) -> None:
     assert torch.equal(dequantize_fp8_triton(q, scale), dequantize_fp8_ref(q, scale))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kv_triton_equals_ref(dtype: torch.dtype) -> None:
+    pytest.importorskip("triton", reason="triton not installed")
+    from kernels.triton_quant import dequantize_int8_kv_triton, quantize_int8_kv_triton
+
+    kv = _kv_blocks(seed=9).to(dtype).to(DEVICE)
+    q, k_scale, v_scale = quantize_int8_kv_triton(kv)
+    q_ref, k_ref, v_ref = quantize_int8_kv_ref(kv)
+    assert torch.equal(q, q_ref) and torch.equal(k_scale, k_ref) and torch.equal(v_scale, v_ref)
+    assert torch.equal(dequantize_int8_kv_triton(q, k_scale, v_scale), dequantize_int8_kv_ref(q, k_scale, v_scale))
+    assert _bf16_ulps(dequantize_int8_kv_triton(q, k_scale, v_scale, torch.bfloat16),
+                      dequantize_int8_kv_ref(q, k_scale, v_scale, torch.bfloat16)) <= 1
+
+
 def test_triton_ties_round_half_to_even() -> None:
     pytest.importorskip("triton", reason="triton not installed")
     from kernels.triton_quant import quantize_fp8_triton, quantize_int8_triton
@@ -166,3 +234,17 @@ def test_triton_quant_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="scale"):
         dequantize_int8_triton(torch.zeros(4, 64, dtype=torch.int8, device=DEVICE),
                                torch.zeros(5, device=DEVICE))
+
+
+def test_triton_int8_kv_rejects_bad_input() -> None:
+    pytest.importorskip("triton", reason="triton not installed")
+    from kernels.triton_quant import dequantize_int8_kv_triton, quantize_int8_kv_triton
+
+    with pytest.raises(ValueError, match="num_layers, 2"):
+        quantize_int8_kv_triton(torch.randn(2, 3, 1, 4, 2, 16, device=DEVICE))
+    q = torch.zeros(2, 2, 1, 4, 2, 16, dtype=torch.int8, device=DEVICE)
+    k_scale, v_scale = torch.zeros(2, 1, 2, 16, device=DEVICE), torch.zeros(2, 1, 4, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale: dtype"):
+        dequantize_int8_kv_triton(q, k_scale, v_scale.bfloat16())
+    with pytest.raises(ValueError, match="v_scale: shape"):
+        dequantize_int8_kv_triton(q, k_scale.bfloat16(), v_scale.bfloat16()[:, :, :3])

@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 
+from kernels.quant import dequantize_int8_ref, quantize_int8_ref
 from transfer import header
 from transfer.codec import Compression, KVLayout, decode, decode_shard, encode, error_bound, layer_groups
 from transfer.transport import CorruptShard, IncompatiblePeer
@@ -53,14 +54,39 @@ def test_quantized_round_trip_within_documented_bound(dtype: torch.dtype, compre
     assert bool((out[0, 1, 0] == 0).all())  # zero block stays exactly zero
 
 
+def test_int8_scales_k_per_channel_so_outlier_channels_cost_the_others_nothing() -> None:
+    """K with a few large channels (as real K has): a per-(token, head) scale is set by the outliers,
+    the codec's per-channel scale is not, so its K error on the other channels is far smaller."""
+    kv = make_kv(num_blocks=4, seed=3)
+    kv[:, 0, ..., :2] *= 30.0  # two outlier channels in every head's K
+    out = decode(encode(kv, LAYOUT, compression="int8"), LAYOUT)
+    q, s = quantize_int8_ref(kv)
+    per_token = dequantize_int8_ref(q, s)
+    k_err, k_err_per_token = ((x[:, 0, ..., 2:] - kv[:, 0, ..., 2:]).abs().mean() for x in (out, per_token))
+    assert k_err < k_err_per_token / 10
+
+
+@pytest.mark.parametrize("compression", ["int8", "fp8"])
+def test_a_block_decodes_the_same_alone(compression: str) -> None:
+    """Scales never span blocks, so shipping one block (the prefix-cache pool does) gives the same
+    values as shipping it among others."""
+    kv = make_kv(num_blocks=3, dtype=torch.bfloat16, seed=4)
+    whole = decode(encode(kv, LAYOUT, compression=compression), LAYOUT)
+    for j in range(3):
+        alone = decode(encode(kv[:, :, j : j + 1], LAYOUT, compression=compression), LAYOUT)
+        assert torch.equal(alone, whole[:, :, j : j + 1])
+
+
 def test_wire_sizes_int8_about_half_of_bf16_fp8_half() -> None:
     kv = make_kv(num_blocks=8, dtype=torch.bfloat16)
     raw = sum(len(s) for s in encode(kv, LAYOUT))
     int8 = sum(len(s) for s in encode(kv, LAYOUT, compression="int8"))
     fp8 = sum(len(s) for s in encode(kv, LAYOUT, compression="fp8"))
     payload = kv.numel() * 2
-    # int8: head_dim bytes + a 4-byte scale per row of head_dim=16 bf16 values (32 bytes) -> 20/32
-    assert int8 - (raw - payload) == kv.numel() + kv.numel() // LAYOUT.head_dim * 4
+    # int8: a byte per value, a 2-byte K scale per (layer, block, head, channel) and a 2-byte V scale
+    # per (layer, block, token, head); at this tiny block (4 x 16) that is 0.66 of bf16, 0.54 at 16 x 64
+    L, H, D, bs = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_size
+    assert int8 - (raw - payload) == kv.numel() + L * 8 * H * D * 2 + L * 8 * bs * H * 2
     assert fp8 - (raw - payload) == kv.numel() + LAYOUT.num_layers * 2 * 8 * 4
     assert header.peek_raw_bytes(memoryview(encode(kv, LAYOUT, compression="int8")[0])) == payload
 
@@ -105,7 +131,7 @@ def with_version(shard: bytearray, version: int) -> bytearray:
 
 def test_other_version_is_incompatible_peer() -> None:
     shard = encode(make_kv(), LAYOUT)[0]
-    for version in (0, 2, 65535):
+    for version in (0, header.VERSION - 1, header.VERSION + 1, 65535):
         with pytest.raises(IncompatiblePeer, match=f"version {version}"):
             decode_shard(with_version(shard, version), LAYOUT)
     decode_shard(with_version(shard, header.VERSION), LAYOUT)  # resealing alone changes nothing
