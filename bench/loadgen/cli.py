@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the one model file every peer serves")
     p.add_argument("--ferry-src", type=Path, default=None,
                    help="run ferry peers from this source tree (e.g. a `git archive HEAD` snapshot)")
+    p.add_argument("--ferry-dtype", default="bfloat16", help="the ferry peers' engine dtype (float32, bfloat16)")
     p.add_argument("--parallel", type=int, default=16, help="slots / max batch for every peer, and client concurrency")
     p.add_argument("--trace", default="azure", help="azure, mooncake, a .csv/.jsonl path, or 'none' (fixed lengths)")
     p.add_argument("--arrivals", choices=["trace", "poisson", "gamma"], default="trace")
@@ -115,7 +116,8 @@ def run_bench(a: argparse.Namespace) -> int:
         _run_rates(a, a.url, a.model or "default", rates, slos, res)
         results.append(res)
     else:
-        spec = PeerSpec(gguf=a.gguf, parallel=a.parallel, ctx_per_slot=a.max_model_len, ferry_src=a.ferry_src)
+        spec = PeerSpec(gguf=a.gguf, parallel=a.parallel, ctx_per_slot=a.max_model_len, ferry_src=a.ferry_src,
+                        ferry_dtype=a.ferry_dtype)
         for name in [s for s in a.systems.split(",") if s]:
             res = SystemResult(name)
             results.append(res)

