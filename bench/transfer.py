@@ -6,8 +6,16 @@ and stops the clock when the receiver says it has them in its own (preallocated)
 one copy in one process; `shm` copies into a shared segment, signals over a pipe, and the receiver
 copies out and acks: the limits a transport between two processes on one machine works against.
 Quality: prefill a prompt, ship its KV through the codec into fresh blocks, decode 64 greedy tokens
-from each copy. "forced" feeds every copy the reference's tokens (per-step agreement and the max
-logit difference); "free" lets each copy follow its own greedy tokens.
+from each copy. "forced" feeds every copy the reference's tokens, so each step is a comparison of
+its own (argmax agreement, max logit difference, KL). "free" lets each copy follow its own tokens:
+after its first different token a copy writes another text, so free agreement mostly says where
+the first flip fell. In bfloat16 the logits themselves are bf16, so a few percent of greedy steps
+are exact ties between two tokens, and the bf16 forward magnifies any change to its input into
+logit moves of that size: moving all KV values by one ulp, or a single one, flips about as many
+forced tokens as int8 does. Hence two rows to read the codecs against: `1-ulp` (every KV value one
+step of its dtype off, less than any lossy codec changes) and `float32 model` (the float32 model on
+the same tokens), and a `(ties)` column that counts a pick tied with the other's as agreement.
+float32 shows each codec's own error.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -35,6 +44,8 @@ from transfer.codec import Compression, KVLayout, decode, decode_shard, encode  
 from transfer.nixl import NixlConfig, NixlTransport, nixl_available  # noqa: E402
 
 MIB = 1 << 20
+BLOCK_SIZE = 16  # the quality run's KV blocks
+MODES = ("forced", "free")
 GB = 1e9
 PROMPTS = [
     "The history of the printing press begins in", "Photosynthesis is the process by which plants",
@@ -233,59 +244,124 @@ def codec_figures(num_blocks: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------- quality
+@dataclass
+class Agreement:
+    """One variant's forced steps against the reference's, tallied."""
+
+    steps: int = 0
+    same: int = 0  # argmax equal
+    same_or_tied: int = 0  # ... or one side's logits tie its own pick with the other's (bf16 logits do)
+    max_logit_diff: float = 0.0
+    kl_sum: float = 0.0  # KL(reference || variant) of the next-token distributions, nats
+
+    def add(self, logits: torch.Tensor, ref: torch.Tensor) -> None:
+        """logits, ref: [rows, vocab] float32, row i of one against row i of the other."""
+        a, r = logits.argmax(-1, keepdim=True), ref.argmax(-1, keepdim=True)
+        same = (a == r)[:, 0]
+        tied = (ref.gather(1, a) == ref.gather(1, r)) | (logits.gather(1, a) == logits.gather(1, r))
+        log_p, log_q = torch.log_softmax(ref.double(), -1), torch.log_softmax(logits.double(), -1)
+        self.steps += len(logits)
+        self.same += int(same.sum())
+        self.same_or_tied += int((same | tied[:, 0]).sum())
+        self.max_logit_diff = max(self.max_logit_diff, float((logits - ref).abs().max()))
+        self.kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+
+
+def one_ulp_off(kv: torch.Tensor, seed: int) -> torch.Tensor:
+    """Every value moved one step of its dtype, up or down at random: the smallest change to KV there
+    is, so what it does to the tokens is the floor under any lossy codec."""
+    up = torch.rand(kv.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    return torch.nextafter(kv, torch.where(up, torch.inf, -torch.inf).to(kv.dtype))
+
+
+class DecodeBatch:
+    """Sequences (prompt, name), each in its own blocks of one engine, decoded a forward per step."""
+
+    def __init__(self, dtype: str, ids: list[list[int]], names: list[str], num_tokens: int) -> None:
+        from actors.engine.config import EngineConfig
+        from actors.engine.engine import Engine
+        from actors.engine.fetch import resolve_model
+
+        self.ids = ids
+        n_blocks = -(-(max(map(len, ids)) + num_tokens) // BLOCK_SIZE)
+        self.seqs = [(p, name) for p in range(len(ids)) for name in names]
+        self.blocks = {sv: list(range(i * n_blocks, (i + 1) * n_blocks)) for i, sv in enumerate(self.seqs)}
+        self.engine = Engine.from_pretrained(
+            resolve_model("smollm2"),
+            EngineConfig(block_size=BLOCK_SIZE, num_blocks=n_blocks * len(self.seqs), dtype=dtype))
+
+    def prefill(self, name: str) -> torch.Tensor:
+        """Every prompt into `name`'s blocks -> the logits after it, [num_prompts, vocab]."""
+        from actors.engine.model_runner import SeqChunk
+
+        return self.engine.runner.execute(
+            [SeqChunk(ids, 0, self.blocks[(p, name)], True) for p, ids in enumerate(self.ids)])
+
+    def step(self, step: int, feed: dict[tuple[int, str], int]) -> dict[tuple[int, str], torch.Tensor]:
+        """Each sequence's token `feed[seq]` at position len(prompt) + step -> its logits [vocab]."""
+        from actors.engine.model_runner import SeqChunk
+
+        logits = self.engine.runner.execute(
+            [SeqChunk([feed[(p, v)]], len(self.ids[p]) + step, self.blocks[(p, v)], True) for p, v in self.seqs])
+        return dict(zip(self.seqs, logits))
+
+
 def quality(num_prompts: int, num_tokens: int, dtype: str) -> list[dict[str, Any]]:
-    """All prompts and variants decode as one batch (a forward per step), so the weights are read
-    once per step for every sequence."""
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
+    """Prefill each prompt once; ship its KV into fresh blocks through each codec; decode
+    `num_tokens` greedy tokens from every copy, forced (fed the reference's tokens: per-step
+    agreement, logit error) and free (its own tokens). Rows beside the codecs: `none` (bit-exact KV
+    in other blocks and batch rows: must be 1.0), `1-ulp` (`one_ulp_off`: the floor), and for a
+    reduced-precision dtype `float32 model`: the float32 model on the same tokens against this
+    dtype's reference."""
     from actors.engine.fetch import resolve_model
-    from actors.engine.model_runner import SeqChunk
     from actors.engine.tokenizer import Tokenizer
 
-    bs = 16
-    # `none` is the control: bit-exact KV in other blocks and batch rows shows the noise floor
-    variants = ["ref"] + [f"{c}-{mode}" for c in ("none", "int8", "fp8") for mode in ("forced", "free")]
-    prompts = PROMPTS[:num_prompts]
-    path = resolve_model("smollm2")
-    ids = [Tokenizer.load(path).encode(p) for p in prompts]
-    n_blocks = -(-(max(map(len, ids)) + num_tokens) // bs)
-    engine = Engine.from_pretrained(
-        path, EngineConfig(block_size=bs, num_blocks=n_blocks * len(variants) * len(prompts), dtype=dtype))
-    cfg, runner = engine.model_config, engine.runner
-    layout = KVLayout(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs)
-    seqs = [(p, v) for p in range(len(prompts)) for v in variants]
-    blocks = {sv: list(range(i * n_blocks, (i + 1) * n_blocks)) for i, sv in enumerate(seqs)}
-    tokens: dict[tuple[int, str], list[int]] = {}
+    ids = [Tokenizer.load(resolve_model("smollm2")).encode(p) for p in PROMPTS[:num_prompts]]
+    prompts = range(len(ids))
+    kinds = ["none", "1-ulp", "int8", "fp8"]
+    main = DecodeBatch(dtype, ids, ["ref"] + [f"{k}/{m}" for k in kinds for m in MODES], num_tokens)
+    batches = [main]
     with torch.inference_mode():
-        first = runner.execute([SeqChunk(ids[p], 0, blocks[(p, "ref")], True) for p in range(len(prompts))])
-        for p in range(len(prompts)):
-            kv_blocks = -(-len(ids[p]) // bs)
-            kv = runner.read_blocks(blocks[(p, "ref")][:kv_blocks])
-            for v in variants:  # the decode side: KV through the codec into its own blocks
-                tokens[(p, v)] = [int(first[p].argmax())]
-                if v != "ref":
-                    shipped = decode(encode(kv, layout, compression=v.split("-")[0], num_shards=4), layout)
-                    runner.write_blocks(blocks[(p, v)][:kv_blocks], shipped)
-        max_diff = {v: 0.0 for v in variants[1:]}
+        first = main.prefill("ref")
+        cfg, runner = main.engine.model_config, main.engine.runner
+        layout = KVLayout(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
+        for p in prompts:  # the decode side: the prompt's KV into each copy's own blocks
+            n = -(-len(ids[p]) // BLOCK_SIZE)
+            kv = runner.read_blocks(main.blocks[(p, "ref")][:n])
+            shipped = {"1-ulp": one_ulp_off(kv, seed=p)} | {
+                c: decode(encode(kv, layout, compression=c, num_shards=4), layout) for c in ("none", "int8", "fp8")}
+            for k in kinds:
+                for mode in MODES:
+                    runner.write_blocks(main.blocks[(p, f"{k}/{mode}")][:n], shipped[k])
+        tokens = {(p, v): [int(first[p].argmax())] for p, v in main.seqs}
+        if dtype != "float32":
+            f32 = DecodeBatch("float32", ids, [f"float32 model/{m}" for m in MODES], num_tokens)
+            f32.prefill("float32 model/forced")
+            own_first = f32.prefill("float32 model/free")
+            tokens |= {(p, "float32 model/forced"): tokens[(p, "ref")][:1] for p in prompts}
+            tokens |= {(p, "float32 model/free"): [int(own_first[p].argmax())] for p in prompts}
+            kinds.append("float32 model")
+            batches.append(f32)
+        forced = {k: Agreement() for k in kinds}
         for step in range(num_tokens):
-            chunks = [SeqChunk([tokens[(p, "ref" if v.endswith("forced") else v)][-1]], len(ids[p]) + step,
-                               blocks[(p, v)], True) for p, v in seqs]
-            logits = runner.execute(chunks)
-            for i, (p, v) in enumerate(seqs):
-                tokens[(p, v)].append(int(logits[i].argmax()))
-                if v.endswith("forced"):
-                    ref_row = seqs.index((p, "ref"))
-                    max_diff[v] = max(max_diff[v], float((logits[i] - logits[ref_row]).abs().max()))
+            feed = {(p, v): tokens[(p, "ref") if v.endswith("/forced") else (p, v)][-1] for p, v in tokens}
+            rows = {sv: row for b in batches for sv, row in b.step(step, feed).items()}
+            ref = torch.stack([rows[(p, "ref")] for p in prompts])
+            for k in kinds:
+                forced[k].add(torch.stack([rows[(p, f"{k}/forced")] for p in prompts]), ref)
+            for sv, row in rows.items():
+                tokens[sv].append(int(row.argmax()))
             if step % 16 == 15:
                 log(f"quality: {step + 1}/{num_tokens} tokens")
-    total = len(prompts) * num_tokens
-    rows = []
-    for v in variants[1:]:
-        same = [[a == b for a, b in zip(tokens[(p, v)][1:], tokens[(p, "ref")][1:])] for p in range(len(prompts))]
-        rows.append({"codec": v, "token_agreement": sum(map(sum, same)) / total,
-                     "prompts_identical": sum(map(all, same)),
-                     "max_logit_diff": max_diff[v] if v.endswith("forced") else None})
-    return rows
+    out = []
+    for k in kinds:
+        free = [[a == b for a, b in zip(tokens[(p, f"{k}/free")][1:], tokens[(p, "ref")][1:])] for p in prompts]
+        a = forced[k]
+        out.append({"variant": k, "forced_agreement": a.same / a.steps, "forced_agreement_ties": a.same_or_tied / a.steps,
+                    "free_agreement": sum(map(sum, free)) / (len(ids) * num_tokens),
+                    "prompts_identical": sum(map(all, free)), "max_logit_diff": a.max_logit_diff,
+                    "mean_kl": a.kl_sum / a.steps})
+    return out
 
 
 # ---------------------------------------------------------------------------------- main
@@ -298,7 +374,7 @@ def main() -> None:
     ap.add_argument("--codec-blocks", type=int, default=128, help="KV blocks in the codec figures")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", help="engine dtype for the quality figures")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="engine dtypes for the quality figures, a table each")
     args = ap.parse_args()
     sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
     parts = set(args.parts.split(","))
@@ -320,8 +396,10 @@ def main() -> None:
         log("codecs")
         figures["codec"] = codec_figures(args.codec_blocks)
     if "quality" in parts and args.prompts > 0:
-        log("quality on SmolLM2")
-        figures["quality"] = quality(args.prompts, args.tokens, args.dtype)
+        figures["quality"] = {}
+        for dtype in args.dtypes.split(","):
+            log(f"quality on SmolLM2 in {dtype}")
+            figures["quality"][dtype] = quality(args.prompts, args.tokens, dtype)
     if args.json:
         print(json.dumps(figures, indent=2))
         return
@@ -336,11 +414,17 @@ def main() -> None:
         codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
         print(table("Codec on SmolLM2-shaped bf16 KV, 4 shards", keys, codec_rows), end="\n\n")
     if "quality" in figures:
-        rows = [[r["codec"], r["token_agreement"], f"{r['prompts_identical']}/{args.prompts}",
-                 "-" if r["max_logit_diff"] is None else r["max_logit_diff"]] for r in figures["quality"]]
-        title = (f"Quality vs uncompressed KV: SmolLM2 ({args.dtype}), {args.prompts} prompts x {args.tokens} greedy"
-                 " tokens; forced = fed the reference's tokens, free = its own")
-        print(table(title, ["codec", "token_agreement", "prompts_identical", "max_logit_diff"], rows))
+        keys = ["forced_agreement", "forced_agreement_ties", "free_agreement", "prompts_identical", "max_logit_diff",
+                "mean_kl"]
+        heads = ["forced", "forced (ties)", "free", "identical", "max_logit_diff", "mean_kl"]
+        for dtype, q_rows in figures["quality"].items():
+            fmt = {"prompts_identical": f"{{}}/{args.prompts}", "mean_kl": "{:.2e}", "max_logit_diff": "{:.3f}"}
+            rows = [[r["variant"], *(fmt.get(k, "{:.4f}").format(r[k]) for k in keys)] for r in q_rows]
+            title = (f"Token agreement with uncompressed KV: SmolLM2 ({dtype}), {args.prompts} prompts x {args.tokens}"
+                     " greedy tokens\n(forced: fed the reference's tokens, per step; (ties): a pick the other side's"
+                     " logits tie with its own counts as agreement;\n free: its own tokens; max_logit_diff and"
+                     " mean_kl (nats): forced steps; 1-ulp: every KV value one step off, the floor)")
+            print(table(title, ["variant", *heads], rows), end="\n\n")
 
 
 if __name__ == "__main__":
