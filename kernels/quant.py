@@ -83,10 +83,12 @@ def dequantize_int8_kv_ref(
     v_scale: torch.Tensor,  # [num_layers, num_blocks, block_size, num_kv_heads] bf16
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    qk, qv = q.float().unbind(1)
-    k = qk * k_scale.float().unsqueeze(2)
-    v = qv * v_scale.float().unsqueeze(-1)
-    return torch.stack((k, v), dim=1).to(dtype)
+    # float32 products rounded once into `out` (as .float() * scale then .to(dtype)), with no
+    # intermediate copies: this is the CPU decode path
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    torch.mul(q[:, 0], k_scale.float().unsqueeze(2), out=out[:, 0])
+    torch.mul(q[:, 1], v_scale.float().unsqueeze(-1), out=out[:, 1])
+    return out
 
 
 def dequantize_int8_ref(

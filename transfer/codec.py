@@ -15,8 +15,9 @@ quantizers are kernels/'s, run on the KV's device, and these restate kernels/qua
 - `int8` (format version 2): K with one bf16 scale per (layer, block, head, channel) over the
   block's tokens, V with one per (layer, block, token, head) over head_dim; s is amax/127 rounded
   up to bf16: |x - x̂| <= s * (1/2 + 2^-15). Bytes per block and head: 2 * bs * D + 2 * D + 2 * bs,
-  0.54x of bf16 at bs 16, D 64. Per-channel K scales halve the logit error of per-token ones on
-  SmolLM2 (bench/transfer.py). Version 1 had one float32 scale per (token, head) for K and V alike.
+  0.54x of bf16 at bs 16, D 64. On SmolLM2 in float32, per-channel K scales halve the KL divergence
+  of the next-token distribution that per-token ones cause (bench/transfer.py). Version 1 had one
+  float32 scale per (token, head) for K and V alike.
 - `fp8` (e4m3): one float32 scale s = amax/448 per (layer, k|v, block): |x - x̂| <= 2^-4 |x| + 2^-10 s.
   Bytes: ~0.5x of bf16.
 Both quantized modes then round x̂ to the KV dtype, which adds at most half an ulp of x̂ (2^-8 |x̂|
