@@ -357,7 +357,8 @@ def quality(num_prompts: int, num_tokens: int, dtype: str) -> list[dict[str, Any
     for k in kinds:
         free = [[a == b for a, b in zip(tokens[(p, f"{k}/free")][1:], tokens[(p, "ref")][1:])] for p in prompts]
         a = forced[k]
-        out.append({"variant": k, "forced_agreement": a.same / a.steps, "forced_agreement_ties": a.same_or_tied / a.steps,
+        out.append({"variant": k, "forced_agreement": a.same / a.steps,
+                    "forced_agreement_ties": a.same_or_tied / a.steps,
                     "free_agreement": sum(map(sum, free)) / (len(ids) * num_tokens),
                     "prompts_identical": sum(map(all, free)), "max_logit_diff": a.max_logit_diff,
                     "mean_kl": a.kl_sum / a.steps})

@@ -288,7 +288,8 @@ def dequantize_int8_kv_triton(
     check_dtype("q", q, (torch.int8,))
     _check_kv_blocks("q", q)
     num_layers, _, n, bs, h, d = q.shape
-    for name, scale, shape in (("k_scale", k_scale, (num_layers, n, h, d)), ("v_scale", v_scale, (num_layers, n, bs, h))):
+    for name, scale, shape in (("k_scale", k_scale, (num_layers, n, h, d)),
+                               ("v_scale", v_scale, (num_layers, n, bs, h))):
         check_dtype(name, scale, (torch.bfloat16,))
         check_shape(name, scale, shape)
         if not scale.is_contiguous():

@@ -90,7 +90,8 @@ def test_int8_kv_round_trip_within_bound() -> None:
     kv = _kv_blocks(seed=8, shape=(3, 2, 4, 16, 2, 64))
     q, k_scale, v_scale = quantize_int8_kv_ref(kv)
     err = (kv - dequantize_int8_kv_ref(q, k_scale, v_scale)).abs()
-    s = torch.stack((k_scale.float().unsqueeze(2).expand_as(kv[:, 0]), v_scale.float().unsqueeze(-1).expand_as(kv[:, 1])), 1)
+    s = torch.stack((k_scale.float().unsqueeze(2).expand_as(kv[:, 0]),
+                     v_scale.float().unsqueeze(-1).expand_as(kv[:, 1])), dim=1)
     bound = s * (0.5 + 2.0**-15)
     assert (err <= bound).all()
     assert (q[1, :, 2] == 0).all() and (k_scale[1, 2] == 0).all() and (v_scale[1, 2] == 0).all()

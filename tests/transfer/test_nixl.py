@@ -20,6 +20,7 @@ import torch
 
 from tests.transfer.peer_proc import MIB, Peer, PeerSpec
 from tests.transfer.test_codec import flip, with_version
+from transfer import header
 from transfer.codec import KVLayout, encode, error_bound
 from transfer.local import LocalTransport
 from transfer.nixl import NixlConfig, NixlTransport, nixl_available
@@ -136,7 +137,8 @@ def test_concurrent_sends_from_many_threads_arrive_whole_by_tag(sender: NixlTran
 def test_corruption_version_and_layout_are_caught_on_the_receiver(sender: NixlTransport, receiver: Peer) -> None:
     shard = encode(make_kv(num_blocks=2), LAYOUT)[0]
     foreign = encode(torch.zeros(6, 2, 2, 4, 2, 16), KVLayout("other-model", 6, 2, 16, 4))[0]
-    found = ship(sender, receiver, [flip(shard, len(shard) // 2), with_version(shard, 2), foreign, shard])
+    other_version = with_version(shard, header.VERSION + 1)
+    found = ship(sender, receiver, [flip(shard, len(shard) // 2), other_version, foreign, shard])
     by_shard = {f[3]: f for f in found}  # arrival order is not send order
     assert [by_shard[i][:2] for i in range(3)] == [("error", "CorruptShard"), ("error", "IncompatiblePeer"),
                                                    ("error", "IncompatiblePeer")]
