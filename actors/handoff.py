@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 from actors.engine.block_hash import BlockHash
 from actors.engine.engine import Engine
 from actors.engine.request import Request
@@ -52,6 +54,16 @@ def prompt_block_hashes(req: GenerationRequest, block_size: int) -> list[BlockHa
 def num_handoff_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """Blocks that hold the KV of every prompt token but the last."""
     return -(-(num_prompt_tokens - 1) // block_size)
+
+
+def zero_stale_tail(kv: torch.Tensor, num_prompt_tokens: int, block_size: int) -> None:
+    """Zeroes, in place, the slots of the last handed-off block past the prompt: they hold KV left
+    by the block's earlier owner, which the receiver never reads but which would otherwise widen
+    the int8/fp8 scales the codec computes over each block. kv: [L, 2, n, bs, Hkv, D], a copy."""
+    n = kv.shape[2]
+    valid = num_prompt_tokens - (n - 1) * block_size  # prompt tokens in the last block
+    if 0 < valid < block_size:
+        kv[:, :, n - 1, valid:] = 0
 
 
 def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:

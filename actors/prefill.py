@@ -30,7 +30,9 @@ from actors.colocated import read_load
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.block_hash import BlockHash
 from actors.engine.engine import Engine
-from actors.handoff import num_handoff_blocks, num_reusable_blocks, prompt_block_hashes, transfer_tag
+from actors.handoff import (
+    num_handoff_blocks, num_reusable_blocks, prompt_block_hashes, transfer_tag, zero_stale_tail,
+)
 from actors.messages import GenerationRequest, PrefillResult, WorkerLoad
 from actors.pool_link import PoolLink, PoolLinkStats
 from actors.prefix_cache.pool import PrefixCachePool
@@ -112,6 +114,7 @@ class PrefillWorker(ReportsTelemetry):
               decode_peer: str) -> tuple[torch.Tensor, SendStats]:
         n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)
         kv = self.engine.locked(self._read_held, req.request_id, n)  # [L, 2, n, bs, Hkv, D], a copy
+        zero_stale_tail(kv, req.num_prompt_tokens, self.layout.block_size)
         tag = transfer_tag(req.request_id)
         shards = encode(kv, self.layout, compression=self.cfg.compression,
                         num_shards=min(self.cfg.num_shards, self.layout.num_layers),

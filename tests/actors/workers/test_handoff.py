@@ -12,7 +12,7 @@ import torch
 
 from actors.engine.sampling import SamplingParams
 from actors.errors import HandoffFailed, RequestAborted
-from actors.handoff import num_handoff_blocks, transfer_tag
+from actors.handoff import num_handoff_blocks, transfer_tag, zero_stale_tail
 from actors.messages import GenerationRequest
 from transfer.codec import encode
 from transfer.config import make_transport
@@ -174,3 +174,16 @@ def test_kv_landing_after_an_engine_side_abort_touches_no_reused_block(tiny_mode
             cluster.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [2, 16, 17, 30, 32, 33])
+def test_zero_stale_tail_clears_only_slots_past_the_prompt(num_prompt_tokens: int) -> None:
+    bs = 16
+    n = num_handoff_blocks(num_prompt_tokens, bs)
+    kv = torch.randn(2, 2, n, bs, 3, 8) + 10.0  # no zero anywhere before
+    before = kv.clone()
+    zero_stale_tail(kv, num_prompt_tokens, bs)
+    positions = torch.arange(n * bs).view(n, bs)
+    past_prompt = positions >= num_prompt_tokens
+    assert torch.equal(kv[:, :, past_prompt], torch.zeros_like(kv[:, :, past_prompt]))
+    assert torch.equal(kv[:, :, ~past_prompt], before[:, :, ~past_prompt])  # every prompt token kept
