@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine.config import ModelConfig
-from kernels import AttentionMetadata, paged_attention, write_kv
+from kernels import AttentionMetadata, linear, paged_attention, write_kv
 
 class KVCache(NamedTuple):
     """One layer's paged cache. int8 storage adds per-(token, head) float32 scales."""
@@ -117,14 +117,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         c = kv_cache
         write_kv(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale)
         o = paged_attention(q, c.k, c.v, meta, self.scale, c.k_scale, c.v_scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return linear(o.reshape(t, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -134,8 +134,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class SparseMoE(nn.Module):
@@ -202,7 +202,7 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
         x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()  # [S_out, V]
+        return linear(x, self.lm_head.weight).float()  # [S_out, V]
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies HF-named tensors in, fusing q/k/v, gate/up and per-expert weights. Accepts both
