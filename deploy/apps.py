@@ -15,6 +15,7 @@ and validated here.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,15 @@ logger = logging.getLogger(__name__)
 SEMANTIC_CACHE_ACTOR = "ferry-semantic-cache"
 
 
+def default_torch_threads(cfg: AppConfig) -> int:
+    """This node's CPUs split evenly among the app's engines. torch's own default gives every engine
+    all the cores, and on a CPU-only box two engines then spin on each other's cores at every
+    parallel op (steps several times slower); on GPU nodes the CPU threads matter little."""
+    engines = cfg.num_decode if cfg.mode == "colocated" else cfg.num_prefill + cfg.num_decode
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // engines)
+
+
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256,
                   health_check_timeout_s=60)
 @serve.ingress()
@@ -64,7 +74,7 @@ class FerryIngress:
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
         self.tokenizer = Tokenizer.load(path)
         worker_cfg = cfg.to_worker_config()
-        threads = cfg.engine.torch_threads
+        threads = cfg.engine.torch_threads or default_torch_threads(cfg)
         self._colocated: dict[str, Any] = {}
         self._deployment = None
         if cfg.mode == "colocated":

@@ -35,7 +35,9 @@ class EngineSection(_Section):
     max_num_batched_tokens: int = Field(512, gt=0)
     max_model_len: int | None = Field(None, gt=0)
     enable_prefix_caching: bool = True
-    torch_threads: int | None = Field(None, gt=0, description="threads each worker's kernels use")
+    torch_threads: int | None = Field(
+        None, gt=0, description="threads each worker's kernels use; default: this node's CPUs split evenly "
+                                "among the app's engines (so they never oversubscribe a CPU-only box)")
 
 
 class TransferSection(_Section):

@@ -72,8 +72,9 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
         if not ferry.exists():
             raise PeerUnavailable(f"{ferry} missing (pip install -e . in .venv)")
         cfg = {"model": str(spec.gguf), "mode": "colocated" if name == "ferry-colocated" else "disaggregated",
+               # torch_threads left to the app: it splits the CPUs among its engines (1 + 1 here)
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
-                          "torch_threads": spec.threads, "dtype": spec.ferry_dtype},
+                          "dtype": spec.ferry_dtype},
                "api": {"auth_required": False}}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
