@@ -42,6 +42,15 @@ def reference(model: Path, prompts: list[list[int]], params: SamplingParams) -> 
     return [list(o.token_ids) for o in engine.generate(prompts, params)]
 
 
+def streamed_ids(events: list[TokenEvent]) -> list[int]:
+    """Every token id a stream delivered, in order."""
+    return [t for e in events for t in e.output.new_token_ids]
+
+
+def streamed_text(events: list[TokenEvent]) -> str:
+    return "".join(e.output.new_text for e in events)
+
+
 @dataclass
 class Run:
     result: PrefillResult | None
@@ -49,11 +58,11 @@ class Run:
 
     @property
     def token_ids(self) -> list[int]:
-        return [t for e in self.events for t in e.output.new_token_ids]
+        return streamed_ids(self.events)
 
     @property
     def text(self) -> str:
-        return "".join(e.output.new_text for e in self.events)
+        return streamed_text(self.events)
 
 
 @dataclass

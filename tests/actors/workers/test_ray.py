@@ -25,7 +25,7 @@ from actors.worker_config import ClientConfig, WorkerConfig
 from transfer.codec import decode_shard, encode
 from transfer.config import TransferConfig
 
-from .harness import GREEDY, random_tokens, reference
+from .harness import GREEDY, random_tokens, reference, streamed_ids, streamed_text
 
 pytestmark = pytest.mark.ray
 MIB = 1 << 20
@@ -68,10 +68,6 @@ async def collect(client: PDClient, req: GenerationRequest) -> list[TokenEvent]:
     return [event async for event in client.generate(req)]
 
 
-def tokens(events: list[TokenEvent]) -> list[int]:
-    return [t for e in events for t in e.output.new_token_ids]
-
-
 def test_twenty_concurrent_prompts_match_the_single_engine(pd: Deployment) -> None:
     prefix_a, prefix_b = random_tokens(48, seed=200), random_tokens(64, seed=201)
     prompts = [prefix_a + random_tokens(n, seed=210 + n) for n in (3, 9, 16, 21, 30, 1)]
@@ -85,8 +81,8 @@ def test_twenty_concurrent_prompts_match_the_single_engine(pd: Deployment) -> No
                                       for i, p in enumerate(prompts)))
 
     runs = asyncio.run(main())
-    assert [tokens(r) for r in runs] == want
-    texts = ["".join(e.output.new_text for e in r) for r in runs]
+    assert [streamed_ids(r) for r in runs] == want
+    texts = [streamed_text(r) for r in runs]
     assert texts == [r[-1].output.text for r in runs]
     assert {e.worker for r in runs for e in r} == set(pd.pd.decodes)  # both decode workers served
     for r in runs:
@@ -114,7 +110,7 @@ def test_pool_serves_a_prefix_to_another_prefill_worker_through_disk(pd: Deploym
         return a, b, client
 
     a, b, client = asyncio.run(main())
-    assert [tokens(a), tokens(b)] == want
+    assert [streamed_ids(a), streamed_ids(b)] == want
     result = client.prefill_result("pool-b")
     assert result is not None
     assert (result.num_local_hit_blocks, result.num_pool_hit_blocks) == (0, 4)
@@ -151,7 +147,7 @@ def test_tenants_do_not_share_blocks_unless_opted_in(pd: Deployment) -> None:
         await pd.flush(prefill)
         result = client.prefill_result(rid)
         assert result is not None
-        return tokens(events), result.num_pool_hit_blocks, result.num_computed_tokens
+        return streamed_ids(events), result.num_pool_hit_blocks, result.num_computed_tokens
 
     async def main() -> list[tuple[list[int], int, int]]:
         return [await run("t-a", 0, "acme"), await run("t-b", 1, "globex"),
@@ -173,13 +169,13 @@ def test_killed_cache_actor_turns_into_misses(pd: Deployment, ray_cluster: Modul
     first_lost = owners.index(victim)
 
     async def main() -> list[tuple[list[int], int]]:
-        got = [tokens(await collect(pd.client(0), GenerationRequest("kill-a", first, GREEDY)))]
+        got = [streamed_ids(await collect(pd.client(0), GenerationRequest("kill-a", first, GREEDY)))]
         await pd.flush(0)
         ray_cluster.kill(pd.pd.stores[victim].actor, no_restart=True)
         hits = []
         client = pd.client(1)
         for rid, prompt in (("kill-b", second), ("kill-c", third)):
-            got.append(tokens(await collect(client, GenerationRequest(rid, prompt, GREEDY))))
+            got.append(streamed_ids(await collect(client, GenerationRequest(rid, prompt, GREEDY))))
             result = client.prefill_result(rid)
             assert result is not None
             hits.append((result.num_local_hit_blocks, result.num_pool_hit_blocks))
@@ -207,7 +203,7 @@ def test_colocated_actor_streams_the_single_engine_output(pd: Deployment, ray_cl
 
     try:
         runs = asyncio.run(main())
-        assert [tokens(r) for r in runs] == want
+        assert [streamed_ids(r) for r in runs] == want
         assert {e.worker for r in runs for e in r} == {"colo"}
         load = ray_cluster.get(actor.load.remote(), timeout=30)
         assert (load.kind, load.num_running, load.num_free_blocks) == ("colocated", 0, 32)

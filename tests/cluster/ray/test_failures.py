@@ -29,7 +29,7 @@ from cluster.cost_model import StepCostPrior, StepTimeModel
 from cluster.descriptors import TenantId
 from cluster.link import LinkConfig, SchedulerPlacement
 from cluster.tenants import InteractiveSlo, TenantConfig
-from tests.actors.workers.harness import random_tokens
+from tests.actors.workers.harness import random_tokens, streamed_ids, streamed_text
 from transfer.config import TransferConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -137,11 +137,11 @@ class Stream:
 
     @property
     def token_ids(self) -> list[int]:
-        return [t for e in self.events for t in e.output.new_token_ids]
+        return streamed_ids(self.events)
 
     @property
     def text(self) -> str:
-        return "".join(e.output.new_text for e in self.events)
+        return streamed_text(self.events)
 
 
 async def run_with_failure(dep: Deployment, reqs: list[GenerationRequest],
