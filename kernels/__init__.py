@@ -9,10 +9,10 @@ from kernels.dispatch import (
     dequantize_fp8, dequantize_int8, dequantize_int8_kv, paged_attention, quantize_fp8, quantize_int8,
     quantize_int8_kv, write_kv,
 )
-from kernels.linear import linear
+from kernels.linear import Linear, linear
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
-    "AttentionMetadata", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "linear", "paged_attention",
+    "AttentionMetadata", "Linear", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "linear", "paged_attention",
     "quantize_fp8", "quantize_int8", "quantize_int8_kv", "write_kv",
 ]

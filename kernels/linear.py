@@ -1,20 +1,46 @@
-"""`linear(x, weight, bias)`: F.linear, except for the few-row float32 case on CPU.
+"""`linear(x, weight, bias, packed)` and `Linear`: the engine's projections on CPU, by the fastest
+path measured for the shape.
 
-Measured on this project's CPUs (x86, MKL through torch 2.13, weights streaming from memory): for
-x with 1-3 rows, F.linear runs MKL's gemv/small-gemm path at about half the bandwidth of a batched
-matmul over two halves of the weight rows, `bmm(w.view(2, N/2, K), x^T)`; from about 8 rows on,
-F.linear is as fast or faster, and for bfloat16 F.linear wins at every size. Decode at batch 1
-(every weight read once per token) is exactly this case, so the engine routes its projections
-through here. Same math, only the summation order inside each dot product may differ (last-bit
-float differences, as between any two BLAS kernels). See bench/engine.py for the effect.
+Measured on this project's CPUs (x86 with AVX-512, torch 2.13, weights streaming from memory, 1-2
+threads), SmolLM2's projection shapes:
+- Prepacked oneDNN weights (`torch.ops.mkldnn._reorder_linear_weight` once at load, then
+  `_linear_pointwise` per call) beat F.linear at every row count in both dtypes: bfloat16 at one row
+  ~1.7x (gate_up 403 -> 222 us), float32 at 32 rows ~1.6x (lm_head 29.9 -> 11.7 ms). F.linear repacks
+  the weight into the GEMM's blocked layout on every call; for decode-sized inputs that repacking
+  costs as much as the multiply.
+- For float32 with 1-3 rows a batched matmul over two halves of the weight rows,
+  `bmm(w.view(2, N/2, K), x^T)`, is faster still (gate_up 244 us vs 316 us packed at 2 threads) and
+  needs no second copy of the weight.
+Same math on every path; only the summation order inside each dot product differs (last-bit float
+differences, as between any two BLAS kernels). See bench/engine.py for the effect on whole steps.
+
+`Linear` is an nn.Linear that holds the packed copy beside its weight: `pack()` makes it (the
+engine's model runner packs every `Linear` of a CPU model once its dtype is final), anything that
+moves or recasts the module drops it, and `linear` ignores a packed copy whose dtype does not match
+the input. The packed copy is extra memory (one more copy of each packed weight).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-SPLIT_MAX_ROWS = 3  # above this, F.linear is the faster path (measured)
+SPLIT_MAX_ROWS = 3  # float32 rows up to which the split bmm beats the packed path (measured)
+PACK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def prepack(weight: torch.Tensor, rows_hint: int = 1) -> torch.Tensor | None:
+    """A oneDNN-blocked copy of `weight` [N, K] for `linear(..., packed=)`, or None where packing does
+    not apply (not CPU, another dtype, no oneDNN). `rows_hint` is the typical row count of the input;
+    any row count works (measured: the hint changes times by a few percent at most)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2 or not packing_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
 
 
 def _split_bmm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -23,12 +49,37 @@ def _split_bmm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N], as F.linear."""
-    if not _split_bmm_applies(x, weight):
-        return F.linear(x, weight, bias)
-    rows = x.shape[0]
-    n, k = weight.shape
-    halves = torch.bmm(weight.view(2, n // 2, k), x.t().unsqueeze(0).expand(2, k, rows))  # [2, N/2, M]
-    out = halves.permute(2, 0, 1).contiguous().view(rows, n)  # no copy for one row
-    return out if bias is None else out.add_(bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N], as F.linear. `packed`: `prepack(weight)`."""
+    if _split_bmm_applies(x, weight):
+        rows = x.shape[0]
+        n, k = weight.shape
+        halves = torch.bmm(weight.view(2, n // 2, k), x.t().unsqueeze(0).expand(2, k, rows))  # [2, N/2, M]
+        out = halves.permute(2, 0, 1).contiguous().view(rows, n)  # no copy for one row
+        return out if bias is None else out.add_(bias)
+    if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and x.shape[-1] > 0:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear routed through `linear`, with an optional prepacked copy of its weight (`pack`).
+    The packed copy is not a parameter or buffer: state dicts and `parameters()` are unchanged."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Makes the packed copy from the current weight; returns whether there is one now."""
+        self.packed = prepack(self.weight)
+        return self.packed is not None
+
+    def unpack(self) -> None:
+        self.packed = None
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        self.packed = None  # .to(), .half(), .cuda(), ... : the copy would be stale
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)

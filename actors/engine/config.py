@@ -131,6 +131,9 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (per-token-head scales)
     enable_prefix_caching: bool = True
+    # CPU only: keep a oneDNN-prepacked copy of each projection weight (kernels/linear.py); ~1.6x
+    # faster GEMMs at decode batch sizes for one more copy of the weights in memory.
+    prepack_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -73,6 +73,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.cfg, self.kv)
         self.runner = ModelRunner(model.to(dtype), num_blocks, self.cfg.block_size, self.cfg.kv_dtype)
+        if self.cfg.prepack_weights:
+            model.pack_weights()  # after .to(dtype), which would drop the packed copies
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)

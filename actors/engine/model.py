@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine.config import ModelConfig
-from kernels import AttentionMetadata, linear, paged_attention, write_kv
+from kernels import AttentionMetadata, Linear, paged_attention, write_kv
 
 class KVCache(NamedTuple):
     """One layer's paged cache. int8 storage adds per-(token, head) float32 scales."""
@@ -108,8 +108,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -117,25 +117,25 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         c = kv_cache
         write_kv(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale)
         o = paged_attention(q, c.k, c.v, meta, self.scale, c.k_scale, c.v_scale)
-        return linear(o.reshape(t, self.q_size), self.o_proj.weight)
+        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):
@@ -184,7 +184,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -202,12 +202,21 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
         x = self.norm(x[logits_indices])
-        return linear(x, self.lm_head.weight).float()  # [S_out, V]
+        return self.lm_head(x).float()  # [S_out, V]
+
+    def pack_weights(self) -> int:
+        """Prepacks every projection's weight for the CPU GEMM (see kernels/linear.py); returns how
+        many were packed (0 off CPU or without oneDNN). Call once the dtype and weights are final:
+        `load_weights` and any `.to()` drop the packed copies."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies HF-named tensors in, fusing q/k/v, gate/up and per-expert weights. Accepts both
         the Mixtral checkpoint layout (block_sparse_moe.experts.j.w1/w2/w3) and transformers 5's
         fused one (mlp.experts.gate_up_proj/down_proj). Every parameter must be covered."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.unpack()  # the packed copies would be stale
         if self.cfg.tie_word_embeddings:
             # re-tie: moving the module between devices (meta -> cpu) can split shared parameters
             self.lm_head.weight = self.embed_tokens.weight

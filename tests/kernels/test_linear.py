@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear
-from kernels.linear import SPLIT_MAX_ROWS, _split_bmm_applies
+from kernels.linear import SPLIT_MAX_ROWS, Linear, _split_bmm_applies, packing_available, prepack
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
@@ -33,3 +33,67 @@ def test_split_path_taken_only_where_it_was_measured_faster() -> None:
     assert not _split_bmm_applies(torch.randn(1, 32, dtype=torch.bfloat16), w.bfloat16())
     assert not _split_bmm_applies(torch.randn(1, 32), torch.randn(63, 32))  # odd rows: no halves
     assert not _split_bmm_applies(torch.randn(1, 32), torch.randn(32, 64).t())  # not contiguous
+
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 4, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_path_matches_f_linear(rows: int, dtype: torch.dtype, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.randn(130, 96, generator=g).to(dtype)
+    b = torch.randn(130, generator=g).to(dtype) if with_bias else None
+    packed = prepack(w)
+    assert packed is not None and packed.dtype == dtype
+    out = linear(x, w, b, packed)
+    want = F.linear(x, w, b)
+    assert out.shape == want.shape and out.dtype == want.dtype and out.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), want.float(), atol=tol * 10, rtol=tol)
+    # a leading batch dimension, as nn.Linear takes
+    torch.testing.assert_close(linear(x.view(1, rows, 96), w, b, packed).float(), want.view(1, rows, 130).float(),
+                               atol=tol * 10, rtol=tol)
+
+
+def test_prepack_declines_what_it_cannot_pack() -> None:
+    assert prepack(torch.randn(8, 4, dtype=torch.float64)) is None
+    assert prepack(torch.randn(2, 8, 4)) is None
+
+
+@needs_packing
+def test_linear_module_packs_and_drops_stale_copies() -> None:
+    torch.manual_seed(0)
+    m = Linear(32, 48, bias=True)
+    x = torch.randn(5, 32)
+    want = F.linear(x, m.weight, m.bias)
+    assert m.packed is None and m.pack() and m.packed is not None
+    assert "packed" not in m.state_dict() and len(list(m.parameters())) == 2
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), want, atol=1e-5, rtol=1e-5)
+    m.to(torch.bfloat16)  # recast: the float32 packed copy is stale and dropped
+    assert m.packed is None
+    torch.testing.assert_close(m(x.bfloat16()).float(), want, atol=0.1, rtol=0.05)
+    m.pack()
+    with torch.no_grad():
+        m.weight.zero_()
+    # a packed copy of a dtype other than the input's is ignored
+    assert torch.count_nonzero(linear(x, m.weight.float(), None, m.packed)) == 0
+
+
+def test_engine_model_packs_every_projection_and_load_weights_unpacks(tmp_path) -> None:
+    from actors.engine.model import CausalLM
+    from actors.engine.tiny_model import write_tiny_model
+    from actors.engine.weights import load_weights
+
+    loaded = load_weights(write_tiny_model(tmp_path / "tiny"))
+    net = CausalLM(loaded.config)
+    net.load_weights(loaded.tensors)
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * loaded.config.num_layers + 1  # qkv, o, gate_up, down per layer; lm_head
+    assert net.pack_weights() == (len(linears) if packing_available() else 0)
+    net.load_weights(loaded.tensors)
+    assert all(m.packed is None for m in linears)
