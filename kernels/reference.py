@@ -116,16 +116,16 @@ def paged_prefill_attention_ref(
         q = query[start:end].transpose(0, 1).to(k.dtype)  # [Hq, q_len, D]
         # new token j sits at position seq_len - q_len + j and sees positions <= its own
         prefix = seq_len - q_len
-        if prefix == 0:
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
-            )
-        else:
+        mask = None
+        if prefix:
             pos_q = torch.arange(prefix, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-            )
+        # 4-D inputs: on CPU that selects torch's flash-attention kernel (2-3x faster than the
+        # math fallback 3-D inputs get, measured at 100-512 tokens, float32 and bfloat16)
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )[0]
         out[start:end] = o.transpose(0, 1).to(query.dtype)
     return out
 
