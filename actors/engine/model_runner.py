@@ -102,7 +102,9 @@ class ModelRunner:
         )
         # back to the caller's order
         wanted = [logits_of[i] for i in range(len(chunks)) if i in logits_of]
-        return logits[torch.tensor(wanted, dtype=torch.int64, device=dev)] if wanted else logits
+        if wanted == list(range(len(wanted))):  # already in order (all decodes, or decodes first)
+            return logits
+        return logits[torch.tensor(wanted, dtype=torch.int64, device=dev)]
 
     # ----------------------------------------------------------------- KV export / import (transfer)
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

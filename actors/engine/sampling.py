@@ -270,12 +270,28 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if all(self._is_plain_greedy(s, eos_token_ids) for s in states):
+        # Greedy rows without penalties or logprobs (the common case: ignore_eos and min_tokens only
+        # ban tokens) take one batched argmax over their rows, their banned tokens masked first;
+        # argmax is per row, so a row's token still does not depend on its batch.
+        simple = [i for i, s in enumerate(states) if self._is_simple_greedy(s)]
+        if len(simple) == len(states) and not any(_banned_tokens(s, eos_token_ids) for s in states):
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(states))
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        # Row by row on purpose: a row's result must not depend on the batch it sits in.
-        for raw, state in zip(logits, states):
+        token_ids: list[int] = [0] * len(states)
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        if simple:
+            rows = logits[simple] if len(simple) < len(states) else logits.clone()
+            vocab = rows.shape[1]
+            bans = [(j, t) for j, i in enumerate(simple) for t in _banned_tokens(states[i], eos_token_ids) if t < vocab]
+            if bans:
+                r, c = zip(*bans)
+                rows[list(r), list(c)] = float("-inf")
+            for i, token in zip(simple, rows.argmax(dim=-1).tolist()):
+                token_ids[i] = token
+        # The rest row by row on purpose: a row's result must not depend on the batch it sits in.
+        done = set(simple)
+        for i, (raw, state) in enumerate(zip(logits, states)):
+            if i in done:
+                continue
             p = state.params
             row = process_logits(raw, state, eos_token_ids)
             if p.is_greedy:
@@ -283,12 +299,11 @@ class Sampler:
             else:
                 u = uniform_for(state.seed, len(state.output_token_ids))
                 token = draw(filter_probs(row, p), u)
-            token_ids.append(token)
-            logprobs.append(None if p.logprobs is None else _token_logprobs(raw, token, p.logprobs))
+            token_ids[i] = token
+            logprobs[i] = None if p.logprobs is None else _token_logprobs(raw, token, p.logprobs)
         return SampleResult(token_ids, logprobs)
 
     @staticmethod
-    def _is_plain_greedy(state: SamplingState, eos_token_ids: frozenset[int]) -> bool:
+    def _is_simple_greedy(state: SamplingState) -> bool:
         p = state.params
-        return (p.is_greedy and not p.has_penalties and p.logprobs is None
-                and not _banned_tokens(state, eos_token_ids))
+        return p.is_greedy and not p.has_penalties and p.logprobs is None

@@ -267,6 +267,25 @@ def test_ignore_eos_masks_eos_always_but_not_stop_tokens() -> None:
     assert sample_one(logits, state(params, output=[0] * 50), frozenset({3, 4})) == 2
 
 
+
+def test_batched_greedy_with_bans_equals_each_row_alone_and_leaves_logits_untouched() -> None:
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(4))
+    logits[:, 3] = 50.0  # eos would win every row it is not banned in
+    logits[:, 7] = 40.0  # the stop token, second
+    before = logits.clone()
+    states = [
+        state(SamplingParams(temperature=0, ignore_eos=True)),  # eos banned
+        state(SamplingParams(temperature=0)),  # nothing banned: eos wins
+        state(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]), output=[1]),  # both banned
+        state(SamplingParams(temperature=0, repetition_penalty=1.5, ignore_eos=True)),  # per-row path
+        state(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7, 999]), output=[1]),  # id past vocab
+    ]
+    result = Sampler().sample(logits, states, EOS)
+    alone = [sample_one(logits[i], s) for i, s in enumerate(states)]
+    assert result.token_ids == alone
+    assert result.token_ids[0] == 7 and result.token_ids[1] == 3 and result.token_ids[2] not in (3, 7)
+    assert torch.equal(logits, before)
+
 # ---- logprobs ----
 
 def test_logprobs_are_raw_log_softmax_sorted() -> None:
