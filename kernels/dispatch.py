@@ -1,5 +1,6 @@
 """The only entry points the engine (and the transfer codec) call: pick a triton kernel on CUDA, the
-torch reference otherwise. Keeping the choice here means the model code never branches on the device.
+torch reference otherwise (on CPU, decode attention over float caches runs the native C kernel of
+kernels/cpu_native.py where it could be built). Keeping the choice here means the model code never branches on the device.
 
 int8 KV storage: pass an int8 k_cache/v_cache plus `k_scale`/`v_scale` float32 caches shaped
 [num_blocks, block_size, num_kv_heads] to both `write_kv` (which quantizes) and `paged_attention`
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_native import paged_decode_attention_native
 from kernels.metadata import AttentionMetadata
 from kernels.quant import (
     dequantize_fp8_ref, dequantize_int8_kv_ref, dequantize_int8_ref, quantize_fp8_ref, quantize_int8_kv_ref,
@@ -52,22 +54,32 @@ def paged_attention(
         return _paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     nd = meta.num_decodes
     if nd == meta.num_seqs:
-        return paged_decode_attention_ref(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
-            k_scale, v_scale,
-        )
+        return _decode_cpu(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
+                           k_scale, v_scale)
     out = torch.empty_like(query)
     if nd:
-        out[:nd] = paged_decode_attention_ref(
-            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-            max(meta.seq_lens_list[:nd]), k_scale, v_scale,
-        )
+        out[:nd] = _decode_cpu(query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                               max(meta.seq_lens_list[:nd]), k_scale, v_scale)
     qsl = meta.query_start_loc_list
     out[nd:] = paged_prefill_attention_ref(
         query[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens_list[nd:],
         [q - qsl[nd] for q in qsl[nd:]], scale, k_scale, v_scale,
     )
     return out
+
+
+def _decode_cpu(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, max_seq_len: int, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The native C kernel for float caches where it is built (kernels/cpu_native.py), else the reference."""
+    if k_scale is None:
+        out = paged_decode_attention_native(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        if out is not None:
+            return out
+    return paged_decode_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                      k_scale, v_scale)
 
 
 def _paged_attention_triton(
