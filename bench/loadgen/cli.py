@@ -17,6 +17,7 @@ import math
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.loadgen.arrivals import synthetic_workload
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=400, help="most requests per rate")
     p.add_argument("--duration", type=float, default=45.0, help="seconds of sending per rate")
     p.add_argument("--grace", type=float, default=20.0, help="seconds in-flight requests may finish after it")
+    p.add_argument("--warmup", type=int, default=16,
+                   help="requests sent to each system before its first rate, all at once and not measured "
+                        "(with other prompts than the measured ones, so no prefix cache is warmed for them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "ferry" / "bench")
     p.add_argument("--results-md", type=Path, default=None, help="also write this RESULTS.md")
@@ -88,8 +92,23 @@ def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchReques
     return assign_tenants(reqs, tenants, classes), desc
 
 
+def _warm_up(a: argparse.Namespace, name: str, url: str, model: str, rate: float) -> None:
+    """Lazy work on a server's first requests (kernel builds, allocator growth, caches filling) is
+    not what a rate measures: send `--warmup` requests first, concurrently, and drop their records."""
+    if a.warmup <= 0:
+        return
+    reqs, _ = build_workload(a, rate)
+    burst = [replace(r, arrival_s=0.0) for r in reqs[: a.warmup]]
+    cfg = ClientConfig(url=url, model=model, max_concurrency=a.max_concurrency or a.parallel,
+                       max_requests=len(burst), duration_s=1.0, grace_s=max(a.grace, 30.0), salt=a.seed + 7919)
+    records, _ = asyncio.run(replay(cfg, burst))
+    print(f"  {name} warm-up: {sum(r.success for r in records)} of {len(burst)} requests answered",
+          file=sys.stderr, flush=True)
+
+
 def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], slos: dict[str, Slo],
                result: SystemResult) -> None:
+    _warm_up(a, result.name, url, model, rates[0])
     for rate in rates:
         reqs, _ = build_workload(a, rate)
         cfg = ClientConfig(url=url, model=model, max_concurrency=a.max_concurrency or a.parallel,

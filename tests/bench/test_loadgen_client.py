@@ -62,3 +62,22 @@ def test_replay_counts_refused_connections_as_failed() -> None:
     cfg = ClientConfig(url="http://127.0.0.1:9", model="m", duration_s=1.0, grace_s=1.0)
     records, _ = asyncio.run(replay(cfg, [BenchRequest(0.0, 3, 2)]))
     assert len(records) == 1 and not records[0].success and records[0].error
+
+
+def test_warm_up_goes_first_with_other_prompts_and_is_not_recorded(server: str, tmp_path) -> None:
+    import argparse
+
+    from bench.loadgen.cli import _run_rates, add_arguments
+    from bench.loadgen.report import SystemResult
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--trace", "none", "--input-len", "6", "--output-len", "2", "--duration", "1",
+                      "--grace", "5", "--warmup", "3", "--num-requests", "4", "--out", str(tmp_path)])
+    SEEN.clear()
+    result = SystemResult("fake")
+    _run_rates(a, server, "m", [2.0], {"default": Slo(ttft_ms=60_000)}, result)
+    warm, measured = SEEN[:3], SEEN[3:]
+    assert len(warm) == 3 and 1 <= len(measured) <= 4
+    assert not {str(w["prompt"]) for w in warm} & {str(m["prompt"]) for m in measured}
+    assert len(result.points) == 1 and result.points[0].summary.num_sent == len(measured)
