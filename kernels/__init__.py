@@ -7,12 +7,12 @@ first CUDA call. Layout and contracts: `kernels/metadata.py`, `kernels/reference
 
 from kernels.dispatch import (
     dequantize_fp8, dequantize_int8, dequantize_int8_kv, paged_attention, quantize_fp8, quantize_int8,
-    quantize_int8_kv, write_kv,
+    quantize_int8_kv, rms_norm, write_kv,
 )
 from kernels.linear import Linear, linear
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata", "Linear", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "linear", "paged_attention",
-    "quantize_fp8", "quantize_int8", "quantize_int8_kv", "write_kv",
+    "quantize_fp8", "quantize_int8", "quantize_int8_kv", "rms_norm", "write_kv",
 ]

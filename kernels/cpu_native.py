@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c",)
+SOURCES = ("cpu_decode_attention.c", "cpu_rms_norm.c")
 # -ffast-math lets the float reductions and expf vectorize (glibc's libmvec); the kernels see only
 # finite values. It is given to the compile step only: linking a shared library with it would pull
 # in crtfastmath.o, which switches the whole process (torch included) to flush-to-zero.
@@ -117,6 +117,9 @@ def library() -> ctypes.CDLL | None:
             i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
             fn.argtypes = [ptr, ptr, c_int, ptr, ptr, c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
                            ctypes.c_float, c_int]
+            norm = lib.ferry_rms_norm
+            norm.restype = ctypes.c_int
+            norm.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
             logger.warning("ferry's native CPU kernels are unavailable, using the torch reference: %s", e)
@@ -152,4 +155,21 @@ def paged_decode_attention_native(
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         kc.shape[1], float(scale), torch.get_num_threads(),
     )
+    return out if rc == 0 else None
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """As `rms_norm_ref` (last dim normalised), or None where this kernel does not take the inputs or
+    is not available."""
+    if (x.device.type != "cpu" or x.dtype not in _DTYPE_CODES or weight.dtype != x.dtype or weight.dim() != 1
+            or x.shape[-1] != weight.shape[0] or x.numel() == 0):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xc, w = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(xc)
+    hidden = w.shape[0]
+    rc = lib.ferry_rms_norm(xc.data_ptr(), w.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], xc.numel() // hidden,
+                            hidden, float(eps), torch.get_num_threads())
     return out if rc == 0 else None

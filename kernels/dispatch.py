@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import paged_decode_attention_native
+from kernels.cpu_native import paged_decode_attention_native, rms_norm_native
 from kernels.metadata import AttentionMetadata
 from kernels.quant import (
     dequantize_fp8_ref, dequantize_int8_kv_ref, dequantize_int8_ref, quantize_fp8_ref, quantize_int8_kv_ref,
     quantize_int8_ref,
 )
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, rms_norm_ref, write_kv_ref
 from kernels.triton_support import use_triton
 
 
@@ -66,6 +66,13 @@ def paged_attention(
         [q - qsl[nd] for q in qsl[nd:]], scale, k_scale, v_scale,
     )
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (`rms_norm_ref`'s math): the native CPU kernel where it is built,
+    the torch formula otherwise."""
+    out = rms_norm_native(x, weight, eps) if x.device.type == "cpu" else None
+    return out if out is not None else rms_norm_ref(x, weight, eps)
 
 
 def _decode_cpu(

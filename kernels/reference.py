@@ -150,3 +150,9 @@ def dense_causal_attention(
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos_q, float("-inf"))
         out[:, h] = torch.softmax(scores, dim=-1) @ v
     return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in float32 (x * rsqrt(mean(x^2) + eps), one fused op), cast back to
+    x's dtype, then scale by the weight in that dtype."""
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)

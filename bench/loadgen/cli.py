@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import shlex
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -169,4 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
     add_arguments(p)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM (a `timeout`, a job runner) unwinds like Ctrl-C, so the peer being measured is stopped
+    # by its context manager instead of being left running without its harness.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return run_bench(p.parse_args(argv))

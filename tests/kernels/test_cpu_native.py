@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kernels.cpu_native as native
-from kernels import AttentionMetadata, paged_attention
-from kernels.reference import dense_causal_attention, paged_decode_attention_ref
+from kernels import AttentionMetadata, paged_attention, rms_norm
+from kernels.reference import dense_causal_attention, paged_decode_attention_ref, rms_norm_ref
 from tests.kernels.paged_kv_data import make_batch
 from tests.kernels.tolerances import assert_close
 
@@ -87,3 +87,31 @@ def test_disabled_or_unbuildable_means_none(monkeypatch: pytest.MonkeyPatch, tmp
     assert native.paged_decode_attention_native(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
                                                 SCALE) is None
     assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))  # no half-built library left behind
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_native_rms_norm_equals_the_reference(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    out = native.rms_norm_native(x, w, 1e-5)
+    want = rms_norm_ref(x, w, 1e-5)
+    assert out is not None and out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    else:  # same two roundings; the float32 sum of squares may sum in another order, and a 1-ulp change
+        # before the second rounding can become 2 ulps after it, on a tiny share of the elements
+        two_ulps = (want.float().abs() * 2**-6).clamp_min(1e-30)
+        assert ((out.float() - want.float()).abs() <= two_ulps).all()
+        assert (out == want).float().mean() > 0.99
+    # a leading batch dim and the dispatcher
+    torch.testing.assert_close(rms_norm(x.view(1, rows, 576), w, 1e-5).float(), out.view(1, rows, 576).float(),
+                               atol=0, rtol=0)
+
+
+def test_rms_norm_falls_back_to_the_reference_for_other_dtypes() -> None:
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.rand(16, dtype=torch.float64)
+    assert native.rms_norm_native(x, w, 1e-6) is None
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
