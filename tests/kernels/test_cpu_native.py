@@ -115,3 +115,19 @@ def test_rms_norm_falls_back_to_the_reference_for_other_dtypes() -> None:
     x, w = torch.randn(3, 16, dtype=torch.float64), torch.rand(16, dtype=torch.float64)
     assert native.rms_norm_native(x, w, 1e-6) is None
     torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+
+
+@needs_native
+def test_fresh_build_into_an_empty_ferry_home(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("FERRY_HOME", str(tmp_path))
+    lib = native.library()
+    assert lib is not None
+    built = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.name for p in built] == ["libferry_cpu.so"]  # no temporary files left behind
+    b = make_batch([20, 3], [1, 1], 4, 2, 64, 16, torch.float32)
+    out = native.paged_decode_attention_native(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, SCALE)
+    assert out is not None
+    assert_close(out, paged_decode_attention_ref(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, SCALE),
+                 torch.float32)
