@@ -79,7 +79,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
   metrics    {urls.metrics}
 try:
   curl -s {urls.api}/v1/chat/completions{key_hint} -H 'Content-Type: application/json' \\
-    -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+    -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "temperature": 0}}'
 Ctrl-C stops it.""", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
