@@ -55,6 +55,7 @@ def enabled() -> bool:
 
 
 def _cache_root() -> Path:
+    # `actors.engine.fetch.ferry_home`'s rule, restated: kernels/ sits below actors/ and cannot import it
     return Path(os.environ.get("FERRY_HOME") or Path.home() / ".cache" / "ferry").expanduser() / "kernels"
 
 

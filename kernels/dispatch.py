@@ -71,7 +71,7 @@ def paged_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (`rms_norm_ref`'s math): the native CPU kernel where it is built,
     the torch formula otherwise."""
-    out = rms_norm_native(x, weight, eps) if x.device.type == "cpu" else None
+    out = rms_norm_native(x, weight, eps)  # None off CPU or where it does not apply
     return out if out is not None else rms_norm_ref(x, weight, eps)
 
 

@@ -274,14 +274,14 @@ class Sampler:
         # ban tokens) take one batched argmax over their rows, their banned tokens masked first;
         # argmax is per row, so a row's token still does not depend on its batch.
         simple = [i for i, s in enumerate(states) if self._is_simple_greedy(s)]
-        if len(simple) == len(states) and not any(_banned_tokens(s, eos_token_ids) for s in states):
+        vocab = logits.shape[1]  # ids past the vocab can never be drawn: nothing to mask
+        bans = [(j, t) for j, i in enumerate(simple) for t in _banned_tokens(states[i], eos_token_ids) if t < vocab]
+        if len(simple) == len(states) and not bans:
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(states))
         token_ids: list[int] = [0] * len(states)
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
         if simple:
             rows = logits[simple] if len(simple) < len(states) else logits.clone()
-            vocab = rows.shape[1]
-            bans = [(j, t) for j, i in enumerate(simple) for t in _banned_tokens(states[i], eos_token_ids) if t < vocab]
             if bans:
                 r, c = zip(*bans)
                 rows[list(r), list(c)] = float("-inf")
