@@ -52,7 +52,7 @@ START_TIMEOUT_S = 180.0  # model load in a fresh process on a busy 2-core box
 def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
-    return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine))
+    return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine), stream_interval=cfg.stream_interval)
 
 
 def _open_transport(cfg: WorkerConfig, name: str) -> KVTransport:

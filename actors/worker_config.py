@@ -30,6 +30,7 @@ class WorkerConfig:
     recv_poll_s: float = 0.05  # decode: receiver wake-up period (also the lease check period)
     pool_timeout_s: float = 2.0  # prefill: one pool fan-out; a slower store is a miss
     max_pending_offers: int = 64  # prefill: background pool offers beyond this are dropped
+    stream_interval: int = 1  # decode: tokens per streamed delta after the first (1 = every token)
     # Deprecated twin of `transfer.ucx_net_devices` (the transport's own setting, "lo" by default),
     # kept while deploy/config.py still passes it; when set it is applied first and so wins.
     ucx_net_devices: str | None = None
@@ -37,6 +38,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         Compression.parse(self.compression)
         Compression.parse(self.pool_compression)
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
         for name in ("lease_s", "transfer_timeout_s", "recv_poll_s", "pool_timeout_s"):

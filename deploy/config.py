@@ -70,6 +70,10 @@ class AppConfig(_Section):
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     api: ApiConfig = ApiConfig(auth_required=False)
     request_timeout_s: float = Field(120.0, gt=0, description="longest a request may wait between tokens")
+    stream_interval: int = Field(
+        1, ge=1, description="tokens per streamed delta after the first: 1 sends every token; more sends fewer, "
+                             "larger deltas (less CPU per token on the way to the client, same TTFT and TPOT, "
+                             "coarser inter-token gaps)")
     loopback_only: bool = Field(True, description="bind every listener of ferry's own to 127.0.0.1 (local runs)")
 
     @model_validator(mode="after")
@@ -96,6 +100,7 @@ class AppConfig(_Section):
                                     ucx_net_devices=t.ucx_net_devices),
             compression=t.compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
             lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
+            stream_interval=self.stream_interval,
         )
 
     def to_cache_config(self) -> PrefixCacheConfig | None:

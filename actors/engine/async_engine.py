@@ -37,8 +37,14 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
+        # A stream's deltas carry at least this many tokens (its first and last excepted); every
+        # delta also takes whatever else is already queued, so a slow consumer never falls behind
+        # one message per token.
+        self.stream_interval = stream_interval
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
@@ -105,16 +111,26 @@ class AsyncEngine:
         return queue
 
     async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
-        finished = False
+        finished = started = False
+        held: RequestOutput | None = None
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, EngineDeadSignal):
-                    raise EngineDead("engine loop failed") from item.error
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                while True:
+                    if isinstance(item, EngineDeadSignal):
+                        raise EngineDead("engine loop failed") from item.error
+                    if isinstance(item, BaseException):
+                        raise item
+                    held = item if held is None else held.followed_by(item)
+                    if held.finished or queue.empty():
+                        break
+                    item = queue.get_nowait()
+                finished = held.finished
+                # The first delta goes at once (time to first token); later ones once they carry
+                # `stream_interval` tokens; the last one whatever it holds.
+                if finished or not started or len(held.new_token_ids) >= self.stream_interval:
+                    out, held, started = held, None, True
+                    yield out
                 if finished:
                     return
         finally:
@@ -169,6 +185,9 @@ class AsyncEngine:
                     self._queues.clear()
                 return
             if busy:
+                # One wake-up per event loop per step, not one per output: each costs the loop a
+                # self-pipe write and a turn.
+                batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
                 with self._lock:
                     for out in outputs:
                         target = self._queues.get(out.request_id)
@@ -176,7 +195,14 @@ class AsyncEngine:
                             continue
                         if out.finished:
                             del self._queues[out.request_id]
-                        target[0].call_soon_threadsafe(target[1].put_nowait, out)
+                        batches.setdefault(target[0], []).append((target[1], out))
+                for loop, batch in batches.items():
+                    loop.call_soon_threadsafe(_deliver, batch)
             if not busy:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
+
+
+def _deliver(batch: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
+    for queue, out in batch:
+        queue.put_nowait(out)

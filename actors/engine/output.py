@@ -9,7 +9,7 @@ or cannot any more (and is emitted).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import TokenLogprobs
@@ -30,6 +30,14 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     time: float = field(default_factory=time.monotonic)
+
+    def followed_by(self, later: "RequestOutput") -> "RequestOutput":
+        """One delta covering this one and the `later` delta of the same request (streams that
+        fall behind, or hold tokens back for a stream interval, send fewer, larger deltas)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge outputs of {self.request_id} and {later.request_id}")
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text, logprobs=self.logprobs + later.logprobs)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class PeerSpec:
     startup_timeout_s: float = 300.0
     ferry_src: Path | None = None  # run ferry from this source tree (a clean snapshot), else the repo
     ferry_dtype: str = "bfloat16"  # as deploy/serve.yaml: on CPUs with avx512_bf16 the faster one
+    ferry_stream_interval: int = 1  # tokens per streamed delta after the first (the app's default: 1)
 
 
 def free_port() -> int:
@@ -75,7 +76,7 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                # torch_threads left to the app: it splits the CPUs among its engines (1 + 1 here)
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
                           "dtype": spec.ferry_dtype},
-               "api": {"auth_required": False}}
+               "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False}}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         # `python -m deploy.cli` with PYTHONPATH=ferry_src runs a snapshot ahead of the editable install.
@@ -138,15 +139,22 @@ def launched(name: str, spec: PeerSpec, log_dir: Path) -> Iterator[tuple[str, st
             out.close()
 
 
+def served_model(base: str) -> str | None:
+    """The first model id `GET /v1/models` lists, or None while the server does not answer."""
+    with contextlib.suppress(httpx2.HTTPError, ValueError):
+        r = httpx2.get(f"{base.rstrip('/').removesuffix('/v1')}/v1/models", timeout=2.0, trust_env=False)
+        if r.status_code == 200 and (data := r.json().get("data")):
+            return str(data[0]["id"])
+    return None
+
+
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-600:]
             raise PeerUnavailable(f"exited with {proc.returncode} before serving; log tail: {tail}")
-        with contextlib.suppress(httpx2.HTTPError):
-            r = httpx2.get(f"{base}/v1/models", timeout=2.0, trust_env=False)
-            if r.status_code == 200 and (data := r.json().get("data")):
-                return str(data[0]["id"])
+        if model := served_model(base):
+            return model
         time.sleep(1.0)
     raise PeerUnavailable(f"not ready after {timeout_s:.0f}s (log: {log_path})")

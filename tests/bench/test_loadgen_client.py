@@ -32,6 +32,14 @@ class _Fake(BaseHTTPRequestHandler):
         usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
 
+    def do_GET(self) -> None:  # noqa: N802
+        body = json.dumps({"object": "list", "data": [{"id": "served-name", "object": "model"}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args: object) -> None:
         pass
 
@@ -81,3 +89,37 @@ def test_warm_up_goes_first_with_other_prompts_and_is_not_recorded(server: str, 
     assert len(warm) == 3 and 1 <= len(measured) <= 4
     assert not {str(w["prompt"]) for w in warm} & {str(m["prompt"]) for m in measured}
     assert len(result.points) == 1 and result.points[0].summary.num_sent == len(measured)
+
+
+def _args(tmp_path, *extra: str):  # type: ignore[no-untyped-def]
+    import argparse
+
+    from bench.loadgen.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(["--trace", "none", "--input-len", "6", "--output-len", "2", "--duration", "1",
+                         "--grace", "5", "--warmup", "0", "--num-requests", "3", "--out", str(tmp_path), *extra])
+
+
+def test_each_rate_of_a_sweep_sends_prompts_no_earlier_rate_sent(server: str, tmp_path) -> None:
+    # Same prompts at every rate would let a prefix cache skip the prefill of everything the
+    # earlier rates sent, flattering the later (higher) rates of a server that has one.
+    from bench.loadgen.cli import _run_rates
+    from bench.loadgen.report import SystemResult
+
+    SEEN.clear()
+    result = SystemResult("fake")
+    _run_rates(_args(tmp_path), server, "m", [2.0, 3.0], {"default": Slo(ttft_ms=60_000)}, result)
+    first, second = result.points[0].summary.num_sent, result.points[1].summary.num_sent
+    assert first >= 2 and second >= 2 and len(SEEN) == first + second
+    prompts = [str(s["prompt"]) for s in SEEN]
+    assert not set(prompts[:first]) & set(prompts[first:])
+
+
+def test_url_mode_sends_the_model_the_server_lists(server: str, tmp_path) -> None:
+    from bench.loadgen.cli import run_bench
+
+    SEEN.clear()
+    assert run_bench(_args(tmp_path, "--url", server, "--rate", "3")) == 0
+    assert SEEN and {s["model"] for s in SEEN} == {"served-name"}

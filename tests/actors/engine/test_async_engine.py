@@ -64,3 +64,44 @@ def test_cancelled_consumer_aborts_and_frees(async_engine):
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_blocks_free == stats.num_blocks_total
     assert stats.num_steps < 200  # aborted long before its 200 tokens
+
+
+def test_stream_interval_sends_fewer_deltas_with_the_same_tokens(tiny_llama_dir):
+    prompts = [[5 + i, 17, 29, 31 + i, 40] for i in range(4)]
+    params = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, logprobs=1)
+    want = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64)).generate(prompts, params)
+    engine = AsyncEngine(Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64)), stream_interval=4)
+
+    async def one(i: int):  # type: ignore[no-untyped-def]
+        return [out async for out in engine.generate(f"r{i}", prompts[i], params)]
+
+    async def main():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        streams = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for deltas, w in zip(streams, want):
+        sizes = [len(d.new_token_ids) for d in deltas]
+        assert sizes[0] == 1  # the first token is never held back
+        assert all(n >= 4 for n in sizes[1:-1]) and len(deltas) <= 1 + -(-10 // 4)
+        assert [t for d in deltas for t in d.new_token_ids] == list(w.token_ids)
+        assert "".join(d.new_text for d in deltas) == w.text
+        assert sum(len(d.logprobs) for d in deltas) == 11 and deltas[-1].finished
+        assert deltas[-1].token_ids == w.token_ids and deltas[-1].text == w.text
+
+
+def test_outputs_merge_in_order_and_only_within_a_request():
+    from actors.engine.output import RequestOutput
+
+    a = RequestOutput("r", (1,), "a", "a", (1,), logprobs=(None,))
+    b = RequestOutput("r", (2, 3), "bc", "abc", (1, 2, 3), logprobs=(None, None), finished=True,
+                      finish_reason="length")
+    m = a.followed_by(b)
+    assert (m.new_token_ids, m.new_text, m.text, m.token_ids) == ((1, 2, 3), "abc", "abc", (1, 2, 3))
+    assert len(m.logprobs) == 3 and m.finished and m.finish_reason == "length" and m.time == b.time
+    with pytest.raises(ValueError):
+        a.followed_by(RequestOutput("other", (2,), "b", "b", (2,)))
+    with pytest.raises(ValueError):
+        AsyncEngine(None, stream_interval=0)  # type: ignore[arg-type]

@@ -1,0 +1,38 @@
+"""The peers' command lines: loopback only, the same model file, and a ferry config the app accepts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen.peers import REPO, PeerSpec, PeerUnavailable, command
+from deploy.config import load_config
+
+
+@pytest.mark.parametrize("name,mode", [("ferry-disagg", "disaggregated"), ("ferry-colocated", "colocated")])
+def test_ferry_peers_get_a_valid_config_with_the_spec_applied(tmp_path: Path, name: str, mode: str) -> None:
+    if not (REPO / ".venv" / "bin" / "ferry").exists():
+        pytest.skip("no .venv/bin/ferry (pip install -e . in .venv)")
+    spec = PeerSpec(gguf=Path("/models/m.gguf"), parallel=12, ctx_per_slot=512, ferry_stream_interval=3)
+    argv = command(name, spec, 8123, tmp_path)
+    assert argv[-2:] == ["--port", "8123"]
+    cfg = load_config(Path(argv[argv.index("--config") + 1]))
+    assert cfg.mode == mode and cfg.model == "/models/m.gguf" and cfg.stream_interval == 3
+    assert cfg.engine.max_num_seqs == 12 and cfg.engine.max_model_len == 512 and cfg.loopback_only
+
+
+def test_unknown_peer_and_missing_binaries_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = PeerSpec(gguf=Path("/models/m.gguf"))
+    with pytest.raises(ValueError, match="unknown peer"):
+        command("vllm", spec, 8123, tmp_path)
+    monkeypatch.setattr("bench.loadgen.peers._find", lambda name: None)
+    with pytest.raises(PeerUnavailable, match="build_peers.sh"):
+        command("llama-server", spec, 8123, tmp_path)
+
+
+def test_stream_interval_below_one_is_refused() -> None:
+    from deploy.config import ConfigError
+
+    with pytest.raises(ConfigError, match="stream_interval"):
+        load_config({"stream_interval": 0})
