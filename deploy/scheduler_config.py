@@ -17,6 +17,7 @@ from cluster.admission import AdmissionConfig
 from cluster.config import SchedulerConfig
 from cluster.descriptors import TenantId
 from cluster.link import LinkConfig
+from cluster.placement import PlacementConfig
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
 
 
@@ -51,6 +52,9 @@ class SchedulerSection(_Section):
     slo_admission: bool = True
     slo_refuse_factor: float = Field(2.0, ge=1.0, description="refuse when predicted to miss by this factor")
     fairness: bool = True
+    local_prefill: bool = Field(
+        False, description="a decode worker may prefill a request itself (and skip the KV handoff) when that "
+                           "gives an earlier first token than the queued prefill workers")
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     batch_deadline_s: float = Field(3600.0, gt=0, description="deadline of requests downgraded to batch")
     admit_timeout_s: float = Field(2.0, gt=0, description="a placement decision; past it, placed locally")
@@ -70,7 +74,8 @@ class SchedulerSection(_Section):
             default_tenant=None if self.default_tenant is None else self.default_tenant.to_tenant_config("default"),
             admission=AdmissionConfig(slo_refuse_factor=self.slo_refuse_factor),
             heartbeat_timeout_s=self.heartbeat_timeout_s, batch_deadline_s=self.batch_deadline_s,
-            slo_admission=self.slo_admission, fairness=self.fairness)
+            slo_admission=self.slo_admission, fairness=self.fairness,
+            placement=PlacementConfig(local_prefill=self.local_prefill))
 
     def to_link_config(self, block_size: int) -> LinkConfig:
         return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,

@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ferry-stream-interval", type=int, default=1,
                    help="the ferry peers' stream_interval: tokens per streamed delta after the first (TTFT and "
                         "TPOT unchanged, ITL coarser, less CPU per token between the workers and the client)")
+    p.add_argument("--ferry-local-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="ferry-disagg's decode workers may prefill for themselves when the prefill workers are "
+                        "queued (scheduler.local_prefill, on in deploy/serve.yaml)")
     p.add_argument("--parallel", type=int, default=16, help="slots / max batch for every peer, and client concurrency")
     p.add_argument("--trace", default="azure", help="azure, mooncake, a .csv/.jsonl path, or 'none' (fixed lengths)")
     p.add_argument("--arrivals", choices=["trace", "poisson", "gamma"], default="trace")
@@ -154,7 +157,9 @@ def run_bench(a: argparse.Namespace) -> int:
         results.append(res)
     else:
         spec = PeerSpec(gguf=a.gguf, parallel=a.parallel, ctx_per_slot=a.max_model_len, ferry_src=a.ferry_src,
-                        ferry_dtype=a.ferry_dtype, ferry_stream_interval=a.ferry_stream_interval)
+                        ferry_dtype=a.ferry_dtype, ferry_stream_interval=a.ferry_stream_interval,
+                        slo_ttft_ms=slos["default"].ttft_ms, slo_tpot_ms=slos["default"].tpot_ms,
+                        ferry_local_prefill=a.ferry_local_prefill)
         for name in [s for s in a.systems.split(",") if s]:
             res = SystemResult(name)
             results.append(res)

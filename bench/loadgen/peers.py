@@ -48,6 +48,12 @@ class PeerSpec:
     ferry_src: Path | None = None  # run ferry from this source tree (a clean snapshot), else the repo
     ferry_dtype: str = "bfloat16"  # as deploy/serve.yaml: on CPUs with avx512_bf16 the faster one
     ferry_stream_interval: int = 1  # tokens per streamed delta after the first (the app's default: 1)
+    # The SLO the run measures, given to ferry's scheduler as its default tenant's contract (the
+    # operator states it; llama.cpp has nothing to tell), and whether its decode workers may
+    # prefill for themselves when the prefill workers are queued (deploy/serve.yaml turns it on).
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    ferry_local_prefill: bool = True
 
 
 def free_port() -> int:
@@ -76,7 +82,11 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                # torch_threads left to the app: it splits the CPUs among its engines (1 + 1 here)
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
                           "dtype": spec.ferry_dtype},
-               "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False}}
+               "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False},
+               "scheduler": {"local_prefill": spec.ferry_local_prefill}}
+        tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms)) if v is not None}
+        if tenant:
+            cfg["scheduler"]["default_tenant"] = tenant
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         # `python -m deploy.cli` with PYTHONPATH=ferry_src runs a snapshot ahead of the editable install.

@@ -14,12 +14,20 @@ from deploy.config import load_config
 def test_ferry_peers_get_a_valid_config_with_the_spec_applied(tmp_path: Path, name: str, mode: str) -> None:
     if not (REPO / ".venv" / "bin" / "ferry").exists():
         pytest.skip("no .venv/bin/ferry (pip install -e . in .venv)")
-    spec = PeerSpec(gguf=Path("/models/m.gguf"), parallel=12, ctx_per_slot=512, ferry_stream_interval=3)
+    from deploy.config import read_args
+    from deploy.scheduler_config import SchedulerSection
+
+    spec = PeerSpec(gguf=Path("/models/m.gguf"), parallel=12, ctx_per_slot=512, ferry_stream_interval=3,
+                    slo_ttft_ms=3000, slo_tpot_ms=250)
     argv = command(name, spec, 8123, tmp_path)
     assert argv[-2:] == ["--port", "8123"]
-    cfg = load_config(Path(argv[argv.index("--config") + 1]))
+    path = Path(argv[argv.index("--config") + 1])
+    cfg = load_config(path)
     assert cfg.mode == mode and cfg.model == "/models/m.gguf" and cfg.stream_interval == 3
     assert cfg.engine.max_num_seqs == 12 and cfg.engine.max_model_len == 512 and cfg.loopback_only
+    sched = SchedulerSection.model_validate(read_args(path)["scheduler"]).to_scheduler_config()
+    assert sched.placement.local_prefill and sched.default_tenant is not None
+    assert (sched.default_tenant.slo.ttft_ms, sched.default_tenant.slo.tpot_ms) == (3000, 250)
 
 
 def test_unknown_peer_and_missing_binaries_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,10 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.yaml: num_decode"):
         load_config(bad)
     assert load_config("deploy/serve.yaml").mode == "disaggregated"
+    from deploy.config import read_args
+    from deploy.scheduler_config import SchedulerSection
+
+    assert SchedulerSection.model_validate(read_args("deploy/serve.yaml")["scheduler"]).local_prefill
 
 
 @pytest.fixture(scope="module")

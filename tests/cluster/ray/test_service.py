@@ -210,6 +210,8 @@ def test_refusals_map_to_http_and_the_config_section_converts() -> None:
     by_name = {t.tenant_id: t for t in cfg.tenants}
     assert by_name[TenantId("gold")].slo == InteractiveSlo(500, 40) and by_name[TenantId("gold")].weight == 3
     assert by_name[TenantId("nightly")].slo_class.value == "batch" and cfg.default_tenant is None
+    assert not cfg.placement.local_prefill  # off unless asked for (deploy/serve.yaml asks)
+    assert SchedulerSection(local_prefill=True).to_scheduler_config().placement.local_prefill
     with pytest.raises(ValueError):
         SchedulerSection.model_validate({"tenants": {"gold": {"ttft": 1}}})  # misspelt field
 
