@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -112,7 +113,7 @@ class AsyncEngine:
 
     async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
         finished = started = False
-        held: RequestOutput | None = None
+        pending: list[RequestOutput] = []  # taken from the queue, not yet sent
         try:
             while True:
                 item = await queue.get()
@@ -121,16 +122,20 @@ class AsyncEngine:
                         raise EngineDead("engine loop failed") from item.error
                     if isinstance(item, BaseException):
                         raise item
-                    held = item if held is None else held.followed_by(item)
-                    if held.finished or queue.empty():
+                    pending.append(item)
+                    if item.finished or queue.empty():
                         break
                     item = queue.get_nowait()
-                finished = held.finished
-                # The first delta goes at once (time to first token); later ones once they carry
-                # `stream_interval` tokens; the last one whatever it holds.
-                if finished or not started or len(held.new_token_ids) >= self.stream_interval:
-                    out, held, started = held, None, True
-                    yield out
+                while pending:
+                    cut = _mergeable_prefix(pending)
+                    delta = functools.reduce(RequestOutput.followed_by, pending[:cut])
+                    # The first delta goes at once (time to first token); later ones once they
+                    # carry `stream_interval` tokens; the last one whatever it holds.
+                    if started and not delta.finished and len(delta.new_token_ids) < self.stream_interval:
+                        break
+                    del pending[:cut]
+                    started, finished = True, delta.finished
+                    yield delta
                 if finished:
                     return
         finally:
@@ -206,3 +211,14 @@ class AsyncEngine:
 def _deliver(batch: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
     for queue, out in batch:
         queue.put_nowait(out)
+
+
+def _mergeable_prefix(outputs: list[RequestOutput]) -> int:
+    """How many leading outputs may go out as one delta: up to the last that carries text (or
+    finishes). Tokens whose text the detokenizer still holds back must not ride behind text in one
+    delta: a reader (the recovery journal) counts a delta with text as covering all its tokens.
+    Outputs that all lack text merge freely."""
+    for i in range(len(outputs) - 1, -1, -1):
+        if outputs[i].new_text or outputs[i].finished:
+            return i + 1
+    return len(outputs)

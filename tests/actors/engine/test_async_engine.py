@@ -105,3 +105,43 @@ def test_outputs_merge_in_order_and_only_within_a_request():
         a.followed_by(RequestOutput("other", (2,), "b", "b", (2,)))
     with pytest.raises(ValueError):
         AsyncEngine(None, stream_interval=0)  # type: ignore[arg-type]
+
+
+def test_tokens_whose_text_is_held_back_never_ride_behind_text():
+    # The recovery journal reads a delta with text as covering all of its tokens: a token whose
+    # text the detokenizer still holds back (half a UTF-8 character) must go out on its own or
+    # with the text that completes it, never merged behind earlier text.
+    from actors.engine.output import RequestOutput
+
+    def out(ids, new_text, text, finished=False):  # type: ignore[no-untyped-def]
+        return RequestOutput("r", ids, new_text, text, tuple(range(1, ids[-1] + 1)), finished=finished)
+
+    outputs = [out((1,), "a", "a"), out((2,), "b", "ab"), out((3,), "", "ab"), out((4,), "", "ab"),
+               out((5,), "é", "abé"), out((6,), "", "abé"), out((7,), "!", "abé!", finished=True)]
+
+    async def run(interval: int, batches: list[int]) -> list[RequestOutput]:
+        engine = AsyncEngine.__new__(AsyncEngine)  # only the stream side: no model, no thread
+        engine.stream_interval = interval
+        queue: asyncio.Queue = asyncio.Queue()
+        got: list[RequestOutput] = []
+
+        async def read() -> None:
+            async for d in engine._drain("r", queue):
+                got.append(d)
+
+        reader = asyncio.create_task(read())
+        it = iter(outputs)
+        for n in batches:  # the engine delivers `n` outputs at once, then the reader catches up
+            for _ in range(n):
+                queue.put_nowait(next(it))
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(reader, 5)
+        return got
+
+    for interval in (1, 2, 4):
+        deltas = asyncio.run(run(interval, [1, 3, 2, 1]))
+        assert [t for d in deltas for t in d.new_token_ids] == list(range(1, 8))
+        assert "".join(d.new_text for d in deltas) == "abé!" and deltas[-1].finished
+        for d in deltas:
+            if d.new_text and not d.finished:
+                assert d.text == outputs[d.new_token_ids[-1] - 1].text and d.new_token_ids[-1] in (1, 2, 5)
