@@ -191,7 +191,8 @@ class AsyncEngine:
                 return
             if busy:
                 # One wake-up per event loop per step, not one per output: each costs the loop a
-                # self-pipe write and a turn.
+                # self-pipe write and a turn. Scheduled under the lock, as `fail_stream` schedules
+                # its error, so a stream's outputs and its error arrive in the order they happened.
                 batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
                 with self._lock:
                     for out in outputs:
@@ -201,8 +202,8 @@ class AsyncEngine:
                         if out.finished:
                             del self._queues[out.request_id]
                         batches.setdefault(target[0], []).append((target[1], out))
-                for loop, batch in batches.items():
-                    loop.call_soon_threadsafe(_deliver, batch)
+                    for loop, batch in batches.items():
+                        loop.call_soon_threadsafe(_deliver, batch)
             if not busy:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
