@@ -42,9 +42,9 @@ class AsyncEngine:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
-        # A stream's deltas carry at least this many tokens (its first and last excepted); every
-        # delta also takes whatever else is already queued, so a slow consumer never falls behind
-        # one message per token.
+        # A stream's deltas carry at least this many tokens (its first and last excepted); a delta
+        # also takes what else is already queued (up to the last output with text, see
+        # `_mergeable_prefix`), so a slow consumer does not fall behind one message per token.
         self.stream_interval = stream_interval
         self._lock = threading.Lock()
         self._wakeup = threading.Event()

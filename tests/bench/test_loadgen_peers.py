@@ -38,9 +38,3 @@ def test_unknown_peer_and_missing_binaries_are_reported(tmp_path: Path, monkeypa
     with pytest.raises(PeerUnavailable, match="build_peers.sh"):
         command("llama-server", spec, 8123, tmp_path)
 
-
-def test_stream_interval_below_one_is_refused() -> None:
-    from deploy.config import ConfigError
-
-    with pytest.raises(ConfigError, match="stream_interval"):
-        load_config({"stream_interval": 0})

@@ -30,6 +30,8 @@ def test_config_errors_name_the_field(tmp_path):
     bad.write_text("applications:\n  - import_path: deploy.apps:build_app\n    args: {num_decode: 0}\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: num_decode"):
         load_config(bad)
+    with pytest.raises(ConfigError, match="stream_interval"):
+        load_config({"stream_interval": 0})
     assert load_config("deploy/serve.yaml").mode == "disaggregated"
     from deploy.config import read_args
     from deploy.scheduler_config import SchedulerSection
