@@ -10,7 +10,7 @@ is timed, not the gather), which is what a non-paged engine would run.
   not fit in free memory are skipped; the quantizers on 1 GiB of bf16 KV.
 - otherwise: the torch reference path (the engine's CPU path) on small shapes, beside a numpy
   memcpy, clearly labelled CPU reference timings.
-Usage: python bench/kernels.py [--json]. Tables go to stdout, progress to stderr.
+Usage: python bench/kernels.py [--json] [--json-out FILE]. Tables go to stdout, progress to stderr.
 """
 
 from __future__ import annotations
@@ -209,9 +209,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--json-out", type=Path, metavar="FILE",
+                        help="also write the figures as JSON to FILE (the tables still print)")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available() and use_triton(torch.empty(0, device="cuda"))
     figures = run_cuda() if on_gpu else run_cpu()
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(figures, indent=2) + "\n")
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
