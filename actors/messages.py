@@ -52,6 +52,9 @@ class GenerationRequest:
     num_shared_prefix_tokens: int = 0
     output_token_ids: tuple[int, ...] = ()  # already streamed elsewhere: resume after them
     arrival_time: float = field(default_factory=time.time)
+    # Prompt tokens per engine step at most (None: the engine's budget). Set for one attempt when
+    # the scheduler has a decode worker prefill for itself, sized to its rows' TPOT room.
+    max_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object
@@ -65,6 +68,8 @@ class GenerationRequest:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
         if self.num_shared_prefix_tokens < 0:
             raise ValueError("num_shared_prefix_tokens must be >= 0")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be >= 1")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +88,7 @@ class GenerationRequest:
             "num_shared_prefix_tokens": self.num_shared_prefix_tokens,
             "seed": self.seed,
             "output_token_ids": self.output_token_ids,
+            "max_chunk_tokens": self.max_chunk_tokens,
         }
 
 

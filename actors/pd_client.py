@@ -161,6 +161,8 @@ class PDClient:
             decode = await self._announce(req, choice.decodes)
         else:
             decode = choice.decodes[0]
+            if choice.local_chunk_tokens is not None:  # a local prefill: keep its steps within TPOT
+                req = replace(req, max_chunk_tokens=choice.local_chunk_tokens)
         flight.place(choice.prefill if handoff else None, decode, PREFILLING if handoff else DECODING)
         sched = self.scheduled
         if sched is not None:

@@ -49,6 +49,9 @@ class PlacementRefused(RuntimeError):
 class PlacementChoice:
     prefill: str | None  # None: the request needs no handoff (it runs on a decode worker alone)
     decodes: tuple[str, ...]  # preference order, never empty
+    # With prefill None on a prompt that could be handed off: the scheduler placed its prefill on
+    # decodes[0] itself, at most this many prompt tokens per step (None: the engine's budget).
+    local_chunk_tokens: int | None = None
 
 
 class Placement(Protocol):

@@ -154,22 +154,25 @@ class SchedulerPlacement:
                 self._assigned[req.request_id] = (out.prefill_worker, out.decode_worker)
                 if out.preempt:  # the data plane cannot preempt: tell the scheduler they still run
                     self._readopt(out.preempt)
-                return self._choice(req, out.prefill_worker, out.decode_worker, prefills, decodes)
+                return self._choice(req, out.prefill_worker, out.decode_worker, prefills, decodes,
+                                    out.local_chunk_tokens)
         self.stats.num_fallback += 1
         return self.local.place(req, prefills, decodes)
 
     def _choice(self, req: GenerationRequest, prefill: str | None, decode: str, prefills: Sequence[WorkerLoad],
-                decodes: Sequence[WorkerLoad]) -> PlacementChoice:
+                decodes: Sequence[WorkerLoad], chunk_tokens: int | None = None) -> PlacementChoice:
         """The scheduler's choice first, then the rest by load; workers this ingress has seen
         dead are skipped even if the scheduler has not heard yet. A prefill placed on the decode
-        worker itself (`Placement.local`) means no handoff: the decode worker runs it whole."""
+        worker itself (`Placement.local`) means no handoff: the decode worker runs it whole, in
+        chunks of at most `chunk_tokens` (`Placement.local_chunk_tokens`)."""
         local = self.local.place(req, prefills, decodes)
         healthy = {w.name for w in (*prefills, *decodes) if w.healthy}
         first = (decode,) if decode in healthy else ()
         chosen_prefill = None
         if local.prefill is not None and not (prefill == decode and first):
             chosen_prefill = prefill if prefill in healthy else local.prefill
-        return PlacementChoice(chosen_prefill, first + tuple(d for d in local.decodes if d != decode))
+        return PlacementChoice(chosen_prefill, first + tuple(d for d in local.decodes if d != decode),
+                               chunk_tokens if chosen_prefill is None and first else None)
 
     async def recover(self, dead: frozenset[str], flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
                       decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:

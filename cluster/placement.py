@@ -27,7 +27,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from cluster.cost_model import CostModelBank, batch_cap
+from cluster.cost_model import CostModelBank, batch_cap, chunk_tokens
 from cluster.descriptors import RequestId, WorkerName
 from cluster.ordering import PriorityKey
 from cluster.prefix_index import POOL, PrefixIndex
@@ -60,6 +60,9 @@ class Placement:
     num_prefix_hit_blocks: int = 0
     num_pool_blocks: int = 0
     preempt: tuple[RequestId, ...] = ()
+    # A local prefill (`PlacementConfig.local_prefill`): prompt tokens per step that keep the
+    # decode worker's steps within its rows' tightest TPOT target at placement time. None otherwise.
+    local_chunk_tokens: int | None = None
 
     @property
     def local(self) -> bool:
@@ -76,8 +79,9 @@ class PlacementConfig:
     `local_prefill`: decode workers may also prefill requests they then decode, in chunks that
     fill the step time their running rows leave under the TPOT target (`local_chunk_tokens`),
     whenever that gives an earlier first token than the prefill workers; at most
-    `max_local_chunk_tokens` per step. Off by default: the data plane's decode engines chunk by
-    their own static token budget, so only the simulator sizes chunks by the scheduler's word."""
+    `max_local_chunk_tokens` per step (also bounded by the engine's own step budget; a chunk is
+    never smaller than one hash block). The placement carries the chunk size it was predicted with
+    (`Placement.local_chunk_tokens`), and the decode engine prefills in chunks of that size."""
 
     hash_block_size: int = 16
     pool_fetch_s_per_block: float = 0.0
@@ -108,6 +112,7 @@ class PrefillChoice:
     compute_s: float
     hit_blocks: int
     pool_blocks: int
+    chunk_tokens: int | None = None  # a local prefill's tokens per step (`choose_local`)
 
     @property
     def ttft_s(self) -> float:
@@ -173,11 +178,12 @@ class PlacementPolicy:
         first-token time, among the `feasible` ones (`choose_decode` lists them: those the row
         and its KV fit now). Its steps keep running its rows; a prefill chunk fills what is left
         of each step under the tightest TPOT target (`room`), so the prefill's compute `work` is
-        spread over max(1, work / room) steps of `base` seconds each. Only the worker's own
+        spread over max(1, work / room) steps of `base` seconds each; the choice carries that
+        chunk size (None without a target: the engine's own budget). Only the worker's own
         prefix cache counts (a decode worker does not fetch from the pool). Only a first token
         sooner than `beat_s` counts."""
         safety, hbs, max_chunk = self.cfg.decode_tpot_safety, self.cfg.hash_block_size, self.cfg.max_local_chunk_tokens
-        best: tuple[WorkerView, float, float, float, int] | None = None
+        best: tuple[WorkerView, float, float, float, int, int | None] | None = None
         for w, tight, per_row, step in feasible:
             wait = w.backlog_s[0] if rank == 0 else w.backlog_s[0] + w.backlog_s[1]
             if w.ttft_bias_s > 0:
@@ -190,7 +196,7 @@ class PlacementPolicy:
             new = num_tokens - cached
             work = t[1] * new * 1e-3 + t[2] * new * (cached + new * 0.5) * 1e-6
             base = t[0] + per_row * (w.num_active + w.num_committed)
-            steps = new / max_chunk
+            steps, chunk = new / max_chunk, None
             if tight is not None:
                 room = safety * tight - base
                 if room <= 0:
@@ -198,11 +204,13 @@ class PlacementPolicy:
                 steps = max(steps, work / room)
             compute = (steps if steps > 1.0 else 1.0) * base + work
             if wait + compute < beat_s:
-                beat_s, best = wait + compute, (w, wait, compute, step, hit)
+                if tight is not None:  # never below one block a step, however little room is left
+                    chunk = max(min(hbs, max_chunk), chunk_tokens(t, room, cached, max_chunk))
+                beat_s, best = wait + compute, (w, wait, compute, step, hit, chunk)
         if best is None:
             return None
-        w, wait, compute, step, hit = best
-        return PrefillChoice(w, wait, 0.0, compute, hit, 0), DecodeChoice(w, step, 0.0)
+        w, wait, compute, step, hit, chunk = best
+        return PrefillChoice(w, wait, 0.0, compute, hit, 0, chunk), DecodeChoice(w, step, 0.0)
 
     def choose_decode(self, tpot_s: float | None, interactive: bool, total_tokens: int, context_tokens: int,
                       expected_output: int, workers: list[WorkerView],

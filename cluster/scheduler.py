@@ -176,7 +176,7 @@ class GlobalScheduler:
             tpot_s=entry.tpot_s, completion_deadline_s=entry.completion_deadline_s,
             predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
             num_prefix_hit_blocks=prefill_choice.hit_blocks, num_pool_blocks=prefill_choice.pool_blocks,
-            preempt=victims)
+            preempt=victims, local_chunk_tokens=prefill_choice.chunk_tokens)
 
     def _count_refusal(self, r: Refusal) -> None:
         self.counters.num_refused[r.reason.value] = self.counters.num_refused.get(r.reason.value, 0) + 1

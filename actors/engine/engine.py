@@ -128,6 +128,7 @@ class Engine:
         hold_kv: bool = False,
         num_shared_prefix_tokens: int = 0,
         prefill_only: bool = False,
+        max_chunk_tokens: int | None = None,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
         or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
@@ -136,13 +137,18 @@ class Engine:
         `output_token_ids` and the journaled `seed`; the request continues exactly where it was.
         `hold_kv`: when the request finishes its blocks stay allocated until `release_kv` (a
         prefill worker ships them first). `prefill_only`: compute the prompt's KV, sample
-        nothing, finish as "prefilled" with the KV held (a prefill worker's job)."""
+        nothing, finish as "prefilled" with the KV held (a prefill worker's job).
+        `max_chunk_tokens`: compute at most this many of its tokens per step, however much of the
+        step budget is left (a decode worker prefilling a prompt between its rows' decode steps)."""
+        if max_chunk_tokens is not None and max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,
                                 num_shared_prefix_tokens)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.hold_kv = hold_kv or prefill_only
         req.prefill_only = prefill_only
+        req.max_chunk_tokens = max_chunk_tokens
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)

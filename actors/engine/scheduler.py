@@ -1,10 +1,11 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step: running requests go first, in admission order, each taking the tokens it still has to
-compute (1 for a decode, a chunk of its prompt for a prefill in progress) out of the budget. When
-the pool cannot hold a running request's next tokens, the most recently admitted running request is
-preempted (its blocks are freed; it goes back to the head of the queue and is recomputed later from
-prompt + tokens generated so far). Waiting requests are admitted after that, in arrival order, while
+compute (1 for a decode, a chunk of its prompt for a prefill in progress, at most the request's own
+`max_chunk_tokens` where it has one) out of the budget. When the pool cannot hold a running
+request's next tokens, the most recently admitted running request is preempted (its blocks are
+freed; it goes back to the head of the queue and is recomputed later from prompt + tokens generated
+so far). Waiting requests are admitted after that, in arrival order, while
 budget, sequence slots and blocks allow, reusing their cached prefix blocks.
 """
 
@@ -57,7 +58,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, req.max_chunk_tokens or budget)
             if n <= 0:
                 i += 1
                 continue
@@ -84,7 +85,7 @@ class Scheduler:
                 computed, num_hit = ([], 0)
                 if req.num_computed_tokens == 0:
                     computed, num_hit = self.kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_hit - req.num_computed_tokens, budget)
+                n = min(req.num_tokens - num_hit - req.num_computed_tokens, budget, req.max_chunk_tokens or budget)
                 if not self.kv.allocate_slots(req, n, computed):
                     break
                 self.waiting.popleft()

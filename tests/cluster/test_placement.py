@@ -100,6 +100,14 @@ def test_decode_workers_prefill_for_themselves_when_that_gives_the_first_token_s
     assert out[0].predicted_ttft_s < out[1].predicted_ttft_s < out[3].predicted_ttft_s < 2 * out[1].predicted_ttft_s  # type: ignore[union-attr]
     d1 = sched.workers.get(W("d1"))
     assert d1 is not None and d1.backlog_s[0] > 0 and d1.num_committed == 2  # r1 here, r3 from p0
+    # A local prefill carries the chunk it was predicted with: as many tokens as fit beside the
+    # worker's rows (none yet on d1) under 0.85 x 50 ms; a placement on p0 carries none.
+    assert out[0].local_chunk_tokens is None and out[3].local_chunk_tokens is None  # type: ignore[union-attr]
+    n = out[1].local_chunk_tokens  # type: ignore[union-attr]
+    model = sched.models.get(W("d1"))
+    step = lambda k: model.predict(k, prefill_pairs(k, 0), 0, 0)  # noqa: E731
+    assert n is not None and 16 <= n < 4000 and step(n) <= 0.85 * 0.05 < step(n + 1)
+    assert out[2].local_chunk_tokens < n  # type: ignore[union-attr]  # d0 has r0's row coming: less room
     # Its first token means it decodes where it was prefilled: nothing to hand over.
     sched.on_stage(R("r1"), Stage.PREFILL_START)
     sched.on_token(R("r1"))

@@ -219,3 +219,29 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_llama_dir):
     assert make_engine(tiny_llama_dir, dtype="bfloat16").runner.kv_caches[0][0].dtype == torch.bfloat16
     # first tokens agree; later ones may drift with bf16 rounding on a random model
     assert sum(a[0] == b[0] for a, b in zip(fp32, bf16)) >= 3
+
+
+def test_a_request_chunk_cap_spreads_its_prefill_and_changes_no_token(tiny_llama_dir):
+    """A decode worker prefilling for itself caps that prompt's tokens per step (the scheduler's
+    `local_chunk_tokens`): the running row decodes in every step, the prompt takes ceil(70 / 16)
+    steps instead of one, and the tokens are those of an uncapped run."""
+    row, prompt = prompts(2, 70, seed=23)
+    want = [list(o.token_ids) for o in make_engine(tiny_llama_dir).generate([row, prompt], GREEDY)]
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=512)
+    engine.add_request("row", row, GREEDY)
+    engine.step()  # the row's prompt, whole; it decodes from now on
+    engine.take_step_records()
+    engine.add_request("capped", prompt, GREEDY, max_chunk_tokens=16)
+    outputs: dict[str, list[int]] = {"row": [], "capped": []}
+    prefill_steps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.token_ids)
+        for rec in engine.take_step_records():
+            if rec.num_prefill_tokens:
+                prefill_steps.append((rec.num_prefill_tokens, rec.num_decode_seqs))
+    # 73 prompt tokens (prompts() adds 3 per index): 16 x 4 + 9, each chunk beside the row's decode.
+    assert prefill_steps == [(16, 1)] * 4 + [(9, 1)]
+    assert [outputs["row"], outputs["capped"]] == want
+    with pytest.raises(ValueError, match="max_chunk_tokens"):
+        engine.add_request("bad", prompt, GREEDY, max_chunk_tokens=0)

@@ -17,8 +17,9 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.handoff import kv_layout, prompt_block_hashes
-from actors.messages import GenerationRequest, TokenEvent
+from actors.messages import GenerationRequest, TelemetryCursor, TokenEvent
 from actors.pd_client import PDClient
+from actors.placement import PlacementChoice
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.worker_config import ClientConfig, WorkerConfig
@@ -185,6 +186,37 @@ def test_killed_cache_actor_turns_into_misses(pd: Deployment, ray_cluster: Modul
     assert [a, b, c] == want
     assert b_hits == (0, first_lost)  # the chain stops at the dead store's first block
     assert c_hits == (4, 0)  # prefill 1 computed the rest and holds the prefix itself now
+
+
+class _LocalPrefill:
+    """The placement a scheduler makes for a local prefill: no prefill worker, decode worker `d`
+    prefills the prompt itself in chunks of `chunk` tokens."""
+
+    def __init__(self, decode: str, chunk: int) -> None:
+        self.decode, self.chunk = decode, chunk
+
+    def place(self, req: GenerationRequest, prefills: object, decodes: object) -> PlacementChoice:
+        return PlacementChoice(None, (self.decode,), local_chunk_tokens=self.chunk)
+
+
+def test_a_local_prefill_runs_on_its_decode_worker_in_the_chunks_it_was_placed_with(pd: Deployment) -> None:
+    prompt = random_tokens(50, seed=700)
+    want = reference(pd.model, [prompt], GREEDY)
+    name = sorted(pd.pd.decodes)[0]
+    handle = pd.pd.decodes[name]
+
+    async def main() -> tuple[list[TokenEvent], tuple[int, ...]]:
+        before = await handle.telemetry.remote()
+        cursor = TelemetryCursor(before.incarnation, before.first_step_seq + len(before.steps) - 1, before.cache_seq)
+        client = pd.pd.client(ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60),
+                              placement=_LocalPrefill(name, 8))
+        events = await collect(client, GenerationRequest("local-chunks", prompt, GREEDY))
+        after = await handle.telemetry.remote(cursor)
+        return events, tuple(s.num_prefill_tokens for s in after.steps if s.num_prefill_tokens)
+
+    events, chunks = asyncio.run(main())
+    assert [streamed_ids(events)] == want and {e.worker for e in events} == {name}
+    assert chunks == (8,) * 6 + (2,)  # the whole 50-token prompt, 8 tokens a step
 
 
 def test_colocated_actor_streams_the_single_engine_output(pd: Deployment, ray_cluster: ModuleType) -> None:

@@ -352,7 +352,8 @@ def test_a_prefill_placed_on_its_decode_worker_runs_there_whole() -> None:
     from cluster.ordering import PriorityKey
 
     lds = [ActorLoad(n, "prefill" if n[0] == "p" else "decode", 0, 0, 0, 100, 100, 0.0, True) for n in ("p0", "d0", "d1")]
-    placed = Placement(RequestId("a"), WorkerName("d1"), WorkerName("d1"), PriorityKey(0, 0.0, 0))
+    placed = Placement(RequestId("a"), WorkerName("d1"), WorkerName("d1"), PriorityKey(0, 0.0, 0),
+                       local_chunk_tokens=48)
     assert placed.local
 
     async def main() -> PlacementChoice:
@@ -363,4 +364,5 @@ def test_a_prefill_placed_on_its_decode_worker_runs_there_whole() -> None:
         finally:
             link.close()
 
-    assert asyncio.run(main()) == PlacementChoice(None, ("d1", "d0"))
+    # ... in chunks of the scheduler's size (pd_client hands it to the engine as max_chunk_tokens).
+    assert asyncio.run(main()) == PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48)
