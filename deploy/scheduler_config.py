@@ -54,7 +54,8 @@ class SchedulerSection(_Section):
     fairness: bool = True
     local_prefill: bool = Field(
         False, description="a decode worker may prefill a request itself (and skip the KV handoff) when that "
-                           "gives an earlier first token than the queued prefill workers")
+                           "gives an earlier first token than the queued prefill workers, in chunks sized so "
+                           "that its running rows keep their TPOT")
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     batch_deadline_s: float = Field(3600.0, gt=0, description="deadline of requests downgraded to batch")
     admit_timeout_s: float = Field(2.0, gt=0, description="a placement decision; past it, placed locally")

@@ -1,11 +1,11 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step: running requests go first, in admission order, each taking the tokens it still has to
-compute (1 for a decode, a chunk of its prompt for a prefill in progress, at most the request's own
-`max_chunk_tokens` where it has one) out of the budget. When the pool cannot hold a running
-request's next tokens, the most recently admitted running request is preempted (its blocks are
-freed; it goes back to the head of the queue and is recomputed later from prompt + tokens generated
-so far). Waiting requests are admitted after that, in arrival order, while
+compute (1 for a decode, a chunk of its prompt for a prefill in progress) out of the budget; the
+prompt chunks of requests with `max_chunk_tokens` share at most that many tokens per step. When the
+pool cannot hold a running request's next tokens, the most recently admitted running request is
+preempted (its blocks are freed; it goes back to the head of the queue and is recomputed later from
+prompt + tokens generated so far). Waiting requests are admitted after that, in arrival order, while
 budget, sequence slots and blocks allow, reusing their cached prefix blocks.
 """
 
@@ -36,6 +36,18 @@ class ScheduledBatch:
         return len(self.requests)
 
 
+def _take(req: Request, want: int, budget: int, capped: int | None) -> tuple[int, int | None]:
+    """Tokens `req` computes this step out of the `want` it has left, and the room for capped
+    prompt chunks after it. Requests with `max_chunk_tokens` (local prefills on a decode worker)
+    share one chunk's room per step, at most the smallest cap among them, so two at once do not
+    double the step; their single decode tokens are never capped."""
+    n = min(want, budget)
+    if req.max_chunk_tokens is None or want <= 1:
+        return n, capped
+    room = req.max_chunk_tokens if capped is None else min(capped, req.max_chunk_tokens)
+    return min(n, room), room - min(n, room)
+
+
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager) -> None:
         self.cfg = cfg
@@ -53,12 +65,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
+        capped: int | None = None  # room left for the prompt chunks of capped requests this step
         scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, req.max_chunk_tokens or budget)
+            n, capped_after = _take(req, req.num_tokens - req.num_computed_tokens, budget, capped)
             if n <= 0:
                 i += 1
                 continue
@@ -73,6 +86,7 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 scheduled.add(req.request_id)
                 budget -= n
+                capped = capped_after
                 i += 1
                 continue
             # `req` itself was preempted: everything after it already was too.
@@ -85,8 +99,8 @@ class Scheduler:
                 computed, num_hit = ([], 0)
                 if req.num_computed_tokens == 0:
                     computed, num_hit = self.kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_hit - req.num_computed_tokens, budget, req.max_chunk_tokens or budget)
-                if not self.kv.allocate_slots(req, n, computed):
+                n, capped_after = _take(req, req.num_tokens - num_hit - req.num_computed_tokens, budget, capped)
+                if n <= 0 or not self.kv.allocate_slots(req, n, computed):
                     break
                 self.waiting.popleft()
                 if req.status == RequestStatus.WAITING:
@@ -97,6 +111,7 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(n)
                 budget -= n
+                capped = capped_after
         return batch
 
     def _preempt(self, req: Request) -> None:
