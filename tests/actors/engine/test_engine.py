@@ -245,6 +245,11 @@ def test_a_request_chunk_cap_spreads_its_prefill_and_changes_no_token(tiny_llama
     assert [outputs["row"], outputs["capped"]] == want
     with pytest.raises(ValueError, match="max_chunk_tokens"):
         engine.add_request("bad", prompt, GREEDY, max_chunk_tokens=0)
+    from actors.messages import GenerationRequest
+
+    with pytest.raises(ValueError, match="max_chunk_tokens"):  # refused before it reaches a worker
+        GenerationRequest("bad", prompt, GREEDY, max_chunk_tokens=0)
+    assert GenerationRequest("ok", prompt, GREEDY, max_chunk_tokens=16).engine_kwargs()["max_chunk_tokens"] == 16
 
 
 def test_capped_prompts_share_one_chunk_per_step(tiny_llama_dir):
