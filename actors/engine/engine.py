@@ -138,9 +138,10 @@ class Engine:
         `hold_kv`: when the request finishes its blocks stay allocated until `release_kv` (a
         prefill worker ships them first). `prefill_only`: compute the prompt's KV, sample
         nothing, finish as "prefilled" with the KV held (a prefill worker's job).
-        `max_chunk_tokens`: compute at most this many of its prompt tokens per step, however much
-        of the step budget is left, and no more than that with the other capped prompts of the
-        step together (a decode worker prefilling prompts between its rows' decode steps)."""
+        `max_chunk_tokens`: in steps that also decode other requests, compute at most this many of
+        its prompt tokens, however much of the step budget is left, and no more than that with the
+        other capped prompts of the step together (a decode worker prefilling prompts between its
+        rows' decode steps)."""
         if max_chunk_tokens is not None and max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,

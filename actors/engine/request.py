@@ -49,8 +49,9 @@ class Request:
     num_preemptions: int = 0
     hold_kv: bool = False  # keep blocks after finishing, until the engine's release_kv
     prefill_only: bool = False  # compute the prompt's KV, sample nothing
-    # At most this many tokens of the prompt per step (None: whatever the step budget leaves); a
-    # decode worker prefilling for itself keeps each step within its rows' TPOT this way.
+    # At most this many tokens of the prompt per step that also decodes other requests (None:
+    # whatever the step budget leaves); a decode worker prefilling for itself keeps each step
+    # within its rows' TPOT this way.
     max_chunk_tokens: int | None = None
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
     stop_reason: int | str | None = None

@@ -2,11 +2,12 @@
 
 Each step: running requests go first, in admission order, each taking the tokens it still has to
 compute (1 for a decode, a chunk of its prompt for a prefill in progress) out of the budget; the
-prompt chunks of requests with `max_chunk_tokens` share at most that many tokens per step. When the
-pool cannot hold a running request's next tokens, the most recently admitted running request is
-preempted (its blocks are freed; it goes back to the head of the queue and is recomputed later from
-prompt + tokens generated so far). Waiting requests are admitted after that, in arrival order, while
-budget, sequence slots and blocks allow, reusing their cached prefix blocks.
+prompt chunks of requests with `max_chunk_tokens` share at most that many tokens per step (in steps
+with decode rows to protect; without any, the caps are lifted). When the pool cannot hold a running
+request's next tokens, the most recently admitted running request is preempted (its blocks are
+freed; it goes back to the head of the queue and is recomputed later from prompt + tokens generated
+so far). Waiting requests are admitted after that, in arrival order, while budget, sequence slots
+and blocks allow, reusing their cached prefix blocks.
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ class ScheduledBatch:
         return len(self.requests)
 
 
+NO_CAP = -1  # `capped` for a step with no decode rows: every cap is lifted
+
+
 def _take(req: Request, want: int, budget: int, capped: int | None) -> tuple[int, int | None]:
     """Tokens `req` computes this step out of the `want` it has left, and the room for capped
     prompt chunks after it. Requests with `max_chunk_tokens` (local prefills on a decode worker)
     share one chunk's room per step, at most the smallest cap among them, so two at once do not
     double the step; their single decode tokens are never capped."""
     n = min(want, budget)
-    if req.max_chunk_tokens is None or want <= 1:
+    if req.max_chunk_tokens is None or want <= 1 or capped == NO_CAP:
         return n, capped
     room = req.max_chunk_tokens if capped is None else min(capped, req.max_chunk_tokens)
     return min(n, room), room - min(n, room)
@@ -65,7 +69,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
-        capped: int | None = None  # room left for the prompt chunks of capped requests this step
+        # Room left for the prompt chunks of capped requests this step; the caps protect decode
+        # rows, so a step without any (every running request still prefilling) lifts them.
+        rows = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        capped: int | None = None if rows else NO_CAP
         scheduled: set[str] = set()
 
         i = 0

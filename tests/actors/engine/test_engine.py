@@ -252,12 +252,16 @@ def test_a_request_chunk_cap_spreads_its_prefill_and_changes_no_token(tiny_llama
     assert GenerationRequest("ok", prompt, GREEDY, max_chunk_tokens=16).engine_kwargs()["max_chunk_tokens"] == 16
 
 
-def test_capped_prompts_share_one_chunk_per_step(tiny_llama_dir):
+def test_capped_prompts_share_one_chunk_per_step_beside_decode_rows_only(tiny_llama_dir):
     """Two local prefills at once must not double the step their caps were sized for: together
-    they take at most the smaller cap per step, first come first; an uncapped prompt is not held."""
-    a, b, free = prompts(3, 40, seed=29)
-    want = [list(o.token_ids) for o in make_engine(tiny_llama_dir).generate([a, b, free], GREEDY)]
+    they take at most the smaller cap per step, first come first. An uncapped prompt is not held,
+    and a step with no decode row to protect lifts the caps."""
+    row, a, b, c = prompts(4, 40, seed=29)  # 40, 43, 46 and 49 tokens
+    want = [list(o.token_ids) for o in make_engine(tiny_llama_dir).generate([a, b], GREEDY)]
     engine = make_engine(tiny_llama_dir, max_num_batched_tokens=512)
+    engine.add_request("row", row, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()  # the row's prompt, whole; it decodes from now on
+    engine.take_step_records()
     engine.add_request("a", a, GREEDY, max_chunk_tokens=16)
     engine.add_request("b", b, GREEDY, max_chunk_tokens=24)
     outputs: dict[str, list[int]] = {}
@@ -266,10 +270,14 @@ def test_capped_prompts_share_one_chunk_per_step(tiny_llama_dir):
         for out in engine.step():
             outputs[out.request_id] = list(out.token_ids)
         per_step += [r.num_prefill_tokens for r in engine.take_step_records()]
-    # a (40 tokens) first, 16 a step; b (43) takes the 8 left in a's last step, then its own 24.
-    assert per_step[:5] == [16, 16, 8 + 8, 24, 11] and not any(per_step[5:])  # then decodes only
-    assert [outputs["a"], outputs["b"]] == want[:2]
-    engine.add_request("c", free, GREEDY, max_chunk_tokens=8)
-    engine.add_request("free", free, GREEDY)
+    # a first, 16 a step; b takes the 5 left in a's last step, then its own 24 a step.
+    assert per_step[:5] == [16, 16, 11 + 5, 24, 17] and not any(per_step[5:])  # then decodes only
+    assert [outputs["a"], outputs["b"]] == want
+    engine.add_request("c", c, GREEDY, max_chunk_tokens=8)  # nothing else runs: no cap
     engine.step()
-    assert engine.take_step_records()[0].num_prefill_tokens == 8 + 46  # the uncapped prompt goes whole
+    assert engine.take_step_records()[0].num_prefill_tokens == 49
+    d, e = prompts(2, 30, seed=31)
+    engine.add_request("d", d, GREEDY, max_chunk_tokens=8)  # c decodes now: capped again
+    engine.add_request("e", e, GREEDY)
+    engine.step()
+    assert engine.take_step_records()[0].num_prefill_tokens == 8 + 33  # the uncapped prompt goes whole

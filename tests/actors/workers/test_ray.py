@@ -7,6 +7,7 @@ both stores."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +17,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
+from actors.engine.sampling import SamplingParams
 from actors.handoff import kv_layout, prompt_block_hashes
 from actors.messages import GenerationRequest, TelemetryCursor, TokenEvent
 from actors.pd_client import PDClient
@@ -190,9 +192,9 @@ def test_killed_cache_actor_turns_into_misses(pd: Deployment, ray_cluster: Modul
 
 class _LocalPrefill:
     """The placement a scheduler makes for a local prefill: no prefill worker, decode worker `d`
-    prefills the prompt itself in chunks of `chunk` tokens."""
+    prefills the prompt itself in chunks of `chunk` tokens (None: its engine's budget)."""
 
-    def __init__(self, decode: str, chunk: int) -> None:
+    def __init__(self, decode: str, chunk: int | None) -> None:
         self.decode, self.chunk = decode, chunk
 
     def place(self, req: GenerationRequest, prefills: object, decodes: object) -> PlacementChoice:
@@ -204,14 +206,21 @@ def test_a_local_prefill_runs_on_its_decode_worker_in_the_chunks_it_was_placed_w
     want = reference(pd.model, [prompt], GREEDY)
     name = sorted(pd.pd.decodes)[0]
     handle = pd.pd.decodes[name]
+    cfg = ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60)
+    long_row = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
 
     async def main() -> tuple[list[TokenEvent], tuple[int, ...]]:
-        before = await handle.telemetry.remote()
-        cursor = TelemetryCursor(before.incarnation, before.first_step_seq + len(before.steps) - 1, before.cache_seq)
-        client = pd.pd.client(ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60),
-                              placement=_LocalPrefill(name, 8))
-        events = await collect(client, GenerationRequest("local-chunks", prompt, GREEDY))
-        after = await handle.telemetry.remote(cursor)
+        # A row decoding on that worker the whole time: the chunks are there to protect it.
+        rows = pd.pd.client(cfg, placement=_LocalPrefill(name, None))
+        async with contextlib.aclosing(rows.generate(GenerationRequest("row", random_tokens(5, seed=701), long_row))) as row:
+            await anext(row)
+            before = await handle.telemetry.remote()
+            cursor = TelemetryCursor(before.incarnation, before.first_step_seq + len(before.steps) - 1,
+                                     before.cache_seq)
+            client = pd.pd.client(cfg, placement=_LocalPrefill(name, 8))
+            events = await collect(client, GenerationRequest("local-chunks", prompt, GREEDY))
+            after = await handle.telemetry.remote(cursor)
+            assert [s.num_decode_seqs for s in after.steps if s.num_prefill_tokens] == [1] * 7  # the row decoded
         return events, tuple(s.num_prefill_tokens for s in after.steps if s.num_prefill_tokens)
 
     events, chunks = asyncio.run(main())
