@@ -212,7 +212,8 @@ def test_a_local_prefill_runs_on_its_decode_worker_in_the_chunks_it_was_placed_w
     async def main() -> tuple[list[TokenEvent], tuple[int, ...]]:
         # A row decoding on that worker the whole time: the chunks are there to protect it.
         rows = pd.pd.client(cfg, placement=_LocalPrefill(name, None))
-        async with contextlib.aclosing(rows.generate(GenerationRequest("row", random_tokens(5, seed=701), long_row))) as row:
+        row_req = GenerationRequest("row", random_tokens(5, seed=701), long_row)
+        async with contextlib.aclosing(rows.generate(row_req)) as row:
             await anext(row)
             before = await handle.telemetry.remote()
             cursor = TelemetryCursor(before.incarnation, before.first_step_seq + len(before.steps) - 1,
