@@ -37,16 +37,14 @@ class ScheduledBatch:
         return len(self.requests)
 
 
-NO_CAP = -1  # `capped` for a step with no decode rows: every cap is lifted
-
-
-def _take(req: Request, want: int, budget: int, capped: int | None) -> tuple[int, int | None]:
+def _take(req: Request, want: int, budget: int, capped: int | None, caps_apply: bool) -> tuple[int, int | None]:
     """Tokens `req` computes this step out of the `want` it has left, and the room for capped
-    prompt chunks after it. Requests with `max_chunk_tokens` (local prefills on a decode worker)
-    share one chunk's room per step, at most the smallest cap among them, so two at once do not
-    double the step; their single decode tokens are never capped."""
+    prompt chunks after it (`capped`, None before the first). Requests with `max_chunk_tokens`
+    (local prefills on a decode worker) share one chunk's room per step, at most the smallest cap
+    among them, so two at once do not double the step; their single decode tokens are never
+    capped, and no cap applies in a step without decode rows (`caps_apply` False)."""
     n = min(want, budget)
-    if req.max_chunk_tokens is None or want <= 1 or capped == NO_CAP:
+    if req.max_chunk_tokens is None or want <= 1 or not caps_apply:
         return n, capped
     room = req.max_chunk_tokens if capped is None else min(capped, req.max_chunk_tokens)
     return min(n, room), room - min(n, room)
@@ -71,14 +69,14 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         # Room left for the prompt chunks of capped requests this step; the caps protect decode
         # rows, so a step without any (every running request still prefilling) lifts them.
-        rows = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        capped: int | None = None if rows else NO_CAP
+        caps_apply = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        capped: int | None = None
         scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n, capped_after = _take(req, req.num_tokens - req.num_computed_tokens, budget, capped)
+            n, capped_after = _take(req, req.num_tokens - req.num_computed_tokens, budget, capped, caps_apply)
             if n <= 0:
                 i += 1
                 continue
@@ -106,7 +104,8 @@ class Scheduler:
                 computed, num_hit = ([], 0)
                 if req.num_computed_tokens == 0:
                     computed, num_hit = self.kv.get_computed_blocks(req)
-                n, capped_after = _take(req, req.num_tokens - num_hit - req.num_computed_tokens, budget, capped)
+                want = req.num_tokens - num_hit - req.num_computed_tokens
+                n, capped_after = _take(req, want, budget, capped, caps_apply)
                 if n <= 0 or not self.kv.allocate_slots(req, n, computed):
                     break
                 self.waiting.popleft()
