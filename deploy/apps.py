@@ -99,9 +99,7 @@ class FerryIngress:
         max_len = cfg.engine.max_model_len or _context_of(path)
         self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
-        self.monitoring = Monitoring(self.backend, slos={
-            name: t.to_tenant_config(name).slo for name, t in self.scheduler_cfg.tenants.items()},
-            semantic=self.semantic)
+        self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic)
         logger.info("ferry ingress up: %s mode, model %s", cfg.mode, cfg.model)
 
     def _start_semantic(self, settings: SemanticCacheSettings) -> SemanticGlue:

@@ -1,8 +1,8 @@
 """`ferry status` and `ferry batch submit`: the operator's commands, as functions of parsed args.
 
 Mental model: both are clients of a running ferry. `status` reads `/health` (public, one GET) and
-turns it into a table of workers with their load and KV blocks, plus SLO attainment once the server
-reports it under `slo` ("n/a" until then). Exit codes are for scripts: 0 healthy, 1 answering but
+turns it into a table of workers with their load and KV blocks, plus each tenant's SLO attainment
+over the ingress's dashboard window (reported under `slo`; "n/a" from a server that does not). Exit codes are for scripts: 0 healthy, 1 answering but
 unhealthy, 2 unreachable. `batch submit` validates the input here, before anything runs, then
 either submits deploy/batch's runner as a Ray job (the default, through the dashboard's job API) or
 runs it in-process (`--local`); both draw the same progress bar and both resume from OUT.
@@ -92,22 +92,34 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _slo_value(key: str, value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        if isinstance(value, dict):
-            return ", ".join(f"{k} {_slo_value(k, v)}" for k, v in value.items())
-        return json.dumps(value)
-    # Fractions are attainments (met / total); other numbers (targets in ms, counts) print as they are.
-    return f"{value:.1%}" if "attain" in key or key in ("", "overall") else f"{value:g}"
+def _ms(value: Any) -> str:
+    return "-" if not isinstance(value, int | float) else f"{value:,.0f} ms"
+
+
+def _table(rows: list[tuple[str, ...]], num_left: int) -> list[str]:
+    """Rows of cells in aligned columns: the first `num_left` left-aligned (names), the rest right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(widths[i]) if i < num_left else c.rjust(widths[i]) for i, c in enumerate(r))
+            for r in rows]
 
 
 def slo_lines(slo: Any) -> list[str]:
-    if slo is None:
-        return ["SLO attainment: n/a (the server does not report it yet)"]
-    if not isinstance(slo, dict):
-        return [f"SLO attainment: {_slo_value('', slo)}"]
-    return ["SLO attainment:"] + [f"  {name:<14} {_slo_value(name if isinstance(v, dict) else 'attainment', v)}"
-                                  for name, v in slo.items()]
+    """The `slo` of `/health` (deploy/dashboard's `slo_report`) as a table of tenants: their P99
+    targets, requests completed in the window, the fraction that met both targets, measured P99s."""
+    if not isinstance(slo, dict) or not isinstance(slo.get("tenants"), dict):
+        return ["SLO attainment: n/a (this server does not report it)"]
+    tenants = slo["tenants"]
+    head = f"SLO attainment over the last {slo.get('window_s', 0):.0f} s"
+    if not tenants:
+        return [f"{head}: no requests and no tenant with an SLO yet"]
+    rows = [("TENANT", "TTFT SLO", "TPOT SLO", "DONE", "RUNNING", "MET", "P99 TTFT", "P99 TPOT")]
+    for name, t in sorted(tenants.items()):
+        has_slo = t.get("ttft_slo_ms") is not None
+        met = t.get("attainment")
+        met_cell = "no SLO" if not has_slo else ("n/a" if met is None else f"{met:.1%}")
+        rows.append((name, _ms(t.get("ttft_slo_ms")), _ms(t.get("tpot_slo_ms")), _cell(t.get("completed")),
+                     _cell(t.get("running")), met_cell, _ms(t.get("ttft_p99_ms")), _ms(t.get("tpot_p99_ms"))))
+    return [f"{head}:"] + _table(rows, num_left=1)
 
 
 def render_status(url: str, health: dict[str, Any]) -> str:
@@ -116,17 +128,14 @@ def render_status(url: str, health: dict[str, Any]) -> str:
     why = f" ({health['error']})" if health.get("error") else ""
     model = f", model {health['model']}" if health.get("model") else ""
     out = [f"ferry at {url}: {state}{why}{model}, {len(workers)} worker(s)"]
-    head = ("WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV USE")
-    rows = [head]
+    rows = [("WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV USE")]
     for w in workers:
         use = f"{w.used_blocks / w.total_blocks:.0%}" if w.used_blocks is not None and w.total_blocks else "-"
         health_cell = "-" if w.healthy is None else ("ok" if w.healthy else "DOWN")
         rows.append((w.name, w.kind, health_cell, _cell(w.running), _cell(w.waiting), _cell(w.used_blocks),
                      _cell(w.free_blocks), _cell(w.total_blocks), use))
     if len(rows) > 1:
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        for r in rows:  # names left-aligned, numbers right-aligned
-            out.append("  ".join(c.ljust(widths[i]) if i < 3 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        out += _table(rows, num_left=3)
     return "\n".join(out + slo_lines(health.get("slo")))
 
 

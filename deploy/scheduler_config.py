@@ -19,6 +19,7 @@ from cluster.descriptors import TenantId
 from cluster.link import LinkConfig
 from cluster.placement import PlacementConfig
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
+from deploy.dashboard.provider import StaticSlos
 
 
 class _Section(BaseModel):
@@ -77,6 +78,12 @@ class SchedulerSection(_Section):
             heartbeat_timeout_s=self.heartbeat_timeout_s, batch_deadline_s=self.batch_deadline_s,
             slo_admission=self.slo_admission, fairness=self.fairness,
             placement=PlacementConfig(local_prefill=self.local_prefill))
+
+    def tenant_slos(self) -> StaticSlos:
+        """The contracts the dashboard and `/health` measure attainment against: each listed tenant's,
+        and the default tenant's for everyone else (as the scheduler applies them)."""
+        default = None if self.default_tenant is None else self.default_tenant.to_tenant_config("default").slo
+        return StaticSlos({name: t.to_tenant_config(name).slo for name, t in self.tenants.items()}, default)
 
     def to_link_config(self, block_size: int) -> LinkConfig:
         return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,

@@ -3,7 +3,8 @@
 Mental model: the ingress builds one `Monitoring` around its HTTP backend.
 - `monitoring.backend` is what to hand `build_api`: a `MeteredBackend` (below), which records each
   request from its timeline when its stream ends, and each refusal, into `RequestMetrics` (whose
-  refusal counts the dashboard shows too).
+  refusal counts the dashboard shows too), and adds the dashboard's per-tenant SLO attainment to
+  `/health`.
 - `monitoring.mount(app)` adds the dashboard routes and hooks a task into the app's lifespan that
   every `period_s` reads a `ClusterSnapshot` (the backend's worker loads, or its engine's stats)
   and hands it to the `ClusterMetricsExporter`. Serve runs the ASGI lifespan of an ingress app, so
@@ -40,9 +41,11 @@ class MeteredBackend:
     from the inner backend's timeline once its stream ends (finished, aborted or failed), each
     refusal by reason. Everything else is the inner backend's (`timeline`, `timelines`, `client`)."""
 
-    def __init__(self, inner: Any, metrics: RequestMetrics) -> None:
+    def __init__(self, inner: Any, metrics: RequestMetrics,
+                 slo_report: Callable[[], dict[str, Any]] | None = None) -> None:
         self.inner = inner
         self.metrics = metrics
+        self.slo_report = slo_report
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -60,7 +63,15 @@ class MeteredBackend:
         return self.inner.tokenizer
 
     async def health(self) -> dict[str, Any]:
-        return await self.inner.health()
+        """The inner backend's report plus `slo`, each tenant's SLO attainment over the dashboard's
+        window (`TimelineDashboard.slo_report`), which `ferry status` prints."""
+        report = await self.inner.health()
+        if self.slo_report is not None:
+            try:
+                report = report | {"slo": self.slo_report()}
+            except Exception:  # a figures bug must not make a healthy backend look down
+                logger.exception("cannot compute the SLO report for /health")
+        return report
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
@@ -102,6 +113,7 @@ class Monitoring:
         self.backend = MeteredBackend(backend, self.request_metrics)
         self.provider: TimelineDashboard = dashboard_for(self.backend, slos=slos, refusals=self.request_metrics,
                                                          window_s=window_s)
+        self.backend.slo_report = self.provider.slo_report
         self.period_s = period_s
         self.access_key = access_key
         self.semantic = semantic

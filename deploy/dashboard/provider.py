@@ -66,13 +66,15 @@ class RefusalSource(Protocol):
 class StaticSlos:
     """SLOs from configuration: tenant -> anything with `ttft_ms` and `tpot_ms` (an `SloTargets`, the
     scheduler's `InteractiveSlo`, or a dict from YAML); other values (a `BatchSlo`) mean no latency
-    promise."""
+    promise. `default` is the contract of every tenant not listed, as the scheduler's default tenant
+    is (None: they have none)."""
 
-    def __init__(self, targets: Mapping[str, Any]) -> None:
+    def __init__(self, targets: Mapping[str, Any], default: Any = None) -> None:
         self._targets = dict(targets)
+        self._default = default
 
     def slo(self, tenant: str) -> SloTargets | None:
-        t = self._targets.get(tenant)
+        t = self._targets.get(tenant, self._default)
         get = t.get if isinstance(t, Mapping) else (lambda key: getattr(t, key, None))
         ttft, tpot = get("ttft_ms"), get("tpot_ms")
         return None if ttft is None or tpot is None else SloTargets(float(ttft), float(tpot))
@@ -188,13 +190,34 @@ class TimelineDashboard:
         self.started_at = clock()
         self._counters: dict[str, CounterWindow] = defaultdict(lambda: CounterWindow(window_s, self.started_at))
 
-    async def dashboard_data(self) -> DashboardData:
-        now = self.clock()
-        notes: list[str] = []
+    def _window(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord], float]:
+        """The recent records, those of them completed inside the window, and the window's span."""
         records = self.sources.timelines.recent_records(self.max_records)
         span = window_span_s(now, self.window_s, self.started_at)
         done = [r for r in records if r.completed and r.finish_unix_s is not None
                 and in_window(r.finish_unix_s, now, span)]
+        return records, done, span
+
+    def slo_report(self) -> dict[str, Any]:
+        """What `/health` reports under `slo` (and `ferry status` prints): per tenant, its P99 targets
+        (None for a tenant without a latency promise), the requests completed in the window, the
+        fraction of them that met both targets (None before the first) and the P99s measured. Reads
+        only the ingress's own timelines: no call to any worker."""
+        records, done, span = self._window(self.clock())
+        tenants = {}
+        for t in self._tenants(records, done):
+            tenants[t.tenant] = {
+                "ttft_slo_ms": None if t.slo is None else t.slo.ttft_ms,
+                "tpot_slo_ms": None if t.slo is None else t.slo.tpot_ms,
+                "completed": t.num_completed, "running": t.num_running, "attainment": t.slo_attainment,
+                "ttft_p99_ms": t.ttft_p99_ms, "tpot_p99_ms": t.tpot_p99_ms,
+            }
+        return {"window_s": span, "tenants": tenants}
+
+    async def dashboard_data(self) -> DashboardData:
+        now = self.clock()
+        notes: list[str] = []
+        records, done, span = self._window(now)
         num_tokens = sum(tokens_in_window(r, now, span) for r in records)
         finishes = [r.finish_unix_s for r in done if r.finish_unix_s is not None]
         throughput = Throughput(span, len(done), num_tokens, count_rate(finishes, now, span),

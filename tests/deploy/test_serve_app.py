@@ -39,6 +39,20 @@ def test_config_errors_name_the_field(tmp_path):
     assert SchedulerSection.model_validate(read_args("deploy/serve.yaml")["scheduler"]).local_prefill
 
 
+def test_dashboard_slos_are_the_schedulers_contracts() -> None:
+    from deploy.dashboard import SloTargets
+    from deploy.scheduler_config import SchedulerSection
+
+    section = SchedulerSection.model_validate({"tenants": {"acme": {"ttft_ms": 500, "tpot_ms": 50},
+                                                           "nightly": {"slo_class": "batch"}}})
+    slos = section.tenant_slos()
+    assert sorted(slos.known_tenants()) == ["acme", "nightly"]
+    assert slos.slo("acme") == SloTargets(500.0, 50.0) and slos.slo("nightly") is None
+    assert slos.slo("walk-in") == SloTargets(30_000.0, 1_000.0)  # the default tenant's contract
+    closed = SchedulerSection.model_validate({"default_tenant": None}).tenant_slos()
+    assert closed.slo("walk-in") is None  # refused by the scheduler; no promise to measure
+
+
 @pytest.fixture(scope="module")
 def semantic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("semantic-cache")
@@ -163,6 +177,14 @@ def test_dashboard_and_metrics_are_served(served):
     assert page.status_code == 200 and "<html" in page.text.lower()
     data = httpx2.get(f"{served}/dashboard/data", timeout=30).json()
     assert data["workers"] and all(w["healthy"] for w in data["workers"])
+    model = httpx2.get(f"{served}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx2.post(f"{served}/v1/completions", json={"model": model, "prompt": "status", "max_tokens": 3},
+                    timeout=120)
+    assert r.status_code == 200, r.text
+    # /health (what `ferry status` prints) measures the unauthenticated tenant against the default contract.
+    mine = httpx2.get(f"{served}/health", timeout=30).json()["slo"]["tenants"]["default"]
+    assert (mine["ttft_slo_ms"], mine["tpot_slo_ms"]) == (30_000.0, 1_000.0)
+    assert mine["completed"] >= 1 and mine["attainment"] == 1.0
 
 
 def semantic_chat(url: str, text: str) -> Any:

@@ -140,6 +140,27 @@ def test_dashboard_figures_over_the_window() -> None:
     assert data.recent[1].status == "running" and data.notes == []
 
 
+def test_slo_report_holds_each_tenants_attainment_and_the_default_contract() -> None:
+    clock = Clock(940.0)
+    # acme listed; everyone else (batchco here) under the default contract, as the scheduler does.
+    slos = StaticSlos({"acme": InteractiveSlo(ttft_ms=120.0, tpot_ms=15.0)}, InteractiveSlo(ttft_ms=40.0, tpot_ms=5.0))
+    assert slos.slo("anyone") == SloTargets(40.0, 5.0) and list(slos.known_tenants()) == ["acme"]
+    assert StaticSlos({}, BatchSlo(deadline_s=60)).slo("anyone") is None
+    provider = TimelineDashboard(DashboardSources(Timelines(TIMELINES), Loads(), slos=slos), clock=clock)
+    clock.t = 1010.0
+    report = provider.slo_report()
+    assert report == {"window_s": 60.0, "tenants": {
+        "acme": {"ttft_slo_ms": 120.0, "tpot_slo_ms": 15.0, "completed": 2, "running": 1, "attainment": 0.5,
+                 "ttft_p99_ms": pytest.approx(149.0), "tpot_p99_ms": pytest.approx(19.9)},
+        "batchco": {"ttft_slo_ms": 40.0, "tpot_slo_ms": 5.0, "completed": 1, "running": 0, "attainment": 1.0,
+                    "ttft_p99_ms": 30.0, "tpot_p99_ms": None},  # r3: TTFT 30 ms, one token
+    }}
+    clock.t = 1100.0  # everything has left the window
+    assert provider.slo_report()["tenants"]["acme"] == {
+        "ttft_slo_ms": 120.0, "tpot_slo_ms": 15.0, "completed": 0, "running": 1, "attainment": None,
+        "ttft_p99_ms": None, "tpot_p99_ms": None}
+
+
 def test_a_failing_source_becomes_a_note_and_counters_beat_the_estimate() -> None:
     class Broken:
         async def loads(self) -> Mapping[str, WorkerLoad]:

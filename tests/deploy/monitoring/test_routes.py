@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from deploy.dashboard import DashboardData, mount_dashboard
 from deploy.dashboard.model import Throughput
 from tests.deploy.monitoring.conftest import NUM_BLOCKS, Served, ServerThread
+from tests.deploy.ops.conftest import ferry
 
 
 def test_data_reports_the_requests_that_ran(traffic: Served) -> None:
@@ -37,6 +38,23 @@ def test_data_reports_the_requests_that_ran(traffic: Served) -> None:
     hbm = {t["tier"]: t for t in data["tiers"]}["hbm"]
     assert (hbm["hits"], hbm["lookups"]) == (stats.num_prefix_hit_tokens, stats.num_prefix_queried_tokens)
     assert hbm["hits"] >= 2 * 32  # the 2nd and 3rd tenant-a requests reused two full blocks each
+
+
+def test_health_and_ferry_status_report_each_tenants_slo_attainment(
+        traffic: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    health = httpx2.get(traffic.base_url + "/health", timeout=10).json()
+    assert health["healthy"] is True and health["slo"]["window_s"] > 0
+    a, b = health["slo"]["tenants"]["tenant-a"], health["slo"]["tenants"]["tenant-b"]
+    # The tiny model on CPU answers far inside tenant-a's 2 s / 500 ms: all three met both targets.
+    assert (a["ttft_slo_ms"], a["tpot_slo_ms"], a["completed"], a["attainment"]) == (2000.0, 500.0, 3, 1.0)
+    assert 0 < a["ttft_p99_ms"] < 2000.0 and 0 < a["tpot_p99_ms"] < 500.0
+    assert (b["ttft_slo_ms"], b["completed"], b["attainment"]) == (None, 2, None)  # no SLO configured
+    assert ferry(["status", "--url", traffic.base_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("SLO attainment over the last "))
+    rows = {line.split()[0]: line.split() for line in out[at + 2:]}
+    assert rows["tenant-a"][:8] == ["tenant-a", "2,000", "ms", "500", "ms", "3", "0", "100.0%"]
+    assert rows["tenant-b"][:7] == ["tenant-b", "-", "-", "2", "0", "no", "SLO"]
 
 
 def test_requests_and_engine_stats_reached_the_metrics(traffic: Served) -> None:

@@ -28,24 +28,47 @@ def test_table_for_the_engine_backend(app: App, capsys: pytest.CaptureFixture[st
     assert out[1].split() == ["WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV", "USED", "KV", "FREE", "KV",
                               "TOTAL", "KV", "USE"]
     assert out[2].split() == ["engine", "colocated", "ok", "0", "0", "0", "128", "128", "0%"]
-    assert out[3] == "SLO attainment: n/a (the server does not report it yet)"
+    assert out[3] == "SLO attainment: n/a (this server does not report it)"
+
+
+SLO_REPORT = {"window_s": 60.0, "tenants": {  # the shape of deploy/dashboard's `slo_report()`
+    "online": {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 100.0, "completed": 1000, "running": 3, "attainment": 0.987,
+               "ttft_p99_ms": 1240.5, "tpot_p99_ms": 88.2},
+    "idle": {"ttft_slo_ms": 500.0, "tpot_slo_ms": 40.0, "completed": 0, "running": 0, "attainment": None,
+             "ttft_p99_ms": None, "tpot_p99_ms": None},
+    "nightly": {"ttft_slo_ms": None, "tpot_slo_ms": None, "completed": 7, "running": 0, "attainment": None,
+                "ttft_p99_ms": 30000.0, "tpot_p99_ms": 410.0},
+}}
 
 
 def test_table_and_json_for_cluster_workers_with_slo(app: App, capsys: pytest.CaptureFixture[str]) -> None:
-    app.backend.health_override = CLUSTER_HEALTH | {"slo": {"online": {"attainment": 0.987, "ttft_p99_ms": 240},
-                                                            "batch": 0.5}}
+    app.backend.health_override = CLUSTER_HEALTH | {"slo": SLO_REPORT}
     assert ferry(["status", "--url", app.base_url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(": healthy, 2 worker(s)")
     assert out[2].split() == ["decode-0", "decode", "ok", "7", "0", "100", "300", "400", "25%"]
     assert out[3].split() == ["prefill-0", "prefill", "ok", "2", "5", "300", "100", "400", "75%"]
-    assert out[4:] == ["SLO attainment:", "  online         attainment 98.7%, ttft_p99_ms 240",
-                       "  batch          50.0%"]
+    assert out[4] == "SLO attainment over the last 60 s:"
+    assert out[5].split() == ["TENANT", "TTFT", "SLO", "TPOT", "SLO", "DONE", "RUNNING", "MET", "P99", "TTFT",
+                              "P99", "TPOT"]
+    assert [line.split() for line in out[6:]] == [  # by name
+        ["idle", "500", "ms", "40", "ms", "0", "0", "n/a", "-", "-"],
+        ["nightly", "-", "-", "7", "0", "no", "SLO", "30,000", "ms", "410", "ms"],
+        ["online", "2,000", "ms", "100", "ms", "1000", "3", "98.7%", "1,240", "ms", "88", "ms"],
+    ]
+    assert len({len(line) for line in out[5:]}) == 1  # aligned columns
     assert ferry(["status", "--url", app.base_url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["healthy"] is True and doc["status_code"] == 200 and doc["slo"]["batch"] == 0.5
+    assert doc["healthy"] is True and doc["status_code"] == 200 and doc["slo"] == SLO_REPORT
     assert doc["workers"][0] == {"name": "decode-0", "kind": "decode", "healthy": True, "running": 7,
                                  "waiting": 0, "free_blocks": 300, "total_blocks": 400, "used_blocks": 100}
+
+
+def test_a_window_without_tenants_says_so(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    app.backend.health_override = CLUSTER_HEALTH | {"slo": {"window_s": 12.4, "tenants": {}}}
+    assert ferry(["status", "--url", app.base_url]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "SLO attainment over the last 12 s: no requests and no tenant with an SLO yet")
 
 
 def test_json_has_null_slo_when_absent(app: App, capsys: pytest.CaptureFixture[str]) -> None:
