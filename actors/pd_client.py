@@ -16,6 +16,13 @@ When an attempt fails the way a dead worker fails, the suspects are probed, the 
 excluded from placement for good, and the request waits for its turn in a recovery round (most
 urgent first), then resumes on healthy workers from the tokens already streamed. The consumer
 sees one uninterrupted stream.
+
+Replacement: with a `replacer` (the deployment, `PDDeployment.replace`), every worker declared
+dead is replaced by a fresh actor of the same name, in the background, retried with backoff up to
+`RecoveryConfig.replace_attempts` times; the new handle takes the old one's place and the name
+leaves `dead`. A recovery that finds no healthy worker while a replacement is under way waits for
+it (up to `RecoveryConfig.replace_wait_s`) instead of failing: a lone decode worker that dies
+costs its streams a stall, not an error.
 """
 
 from __future__ import annotations
@@ -27,14 +34,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.errors import NoCapacity, WorkerTimeout
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
-from actors.placement import LeastLoaded, NoWorkers, Placement, PlacementChoice, ScheduledPlacement
+from actors.placement import (LeastLoaded, NoWorkers, Placement, PlacementChoice, PlacementRefused,
+                              ScheduledPlacement)
 from actors.recovery import (DECODING, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator, StreamBroken,
                              is_worker_failure)
 from actors.worker_config import ClientConfig
@@ -42,6 +50,15 @@ from actors.worker_config import ClientConfig
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _RECENT = 4096  # prefill results kept for inspection
+_SETTLE_S = 3.0  # after a replacement, how long "no healthy worker" may still be the scheduler's stale view
+NO_HEALTHY_WORKER = "no_healthy_worker"  # the scheduler's refusal reason (cluster.admission.RefusalReason)
+
+
+class Replacer(Protocol):
+    async def replace(self, name: str) -> ActorHandle:
+        """A fresh, wired, answering actor for the dead worker `name` (raises if it cannot start)."""
+        ...
+
 _Outcome = PlacementChoice | BaseException
 
 
@@ -68,7 +85,7 @@ def _discard(stream: Any, timeout_s: float = 120.0) -> None:
 class PDClient:
     def __init__(self, prefills: Mapping[str, ActorHandle], decodes: Mapping[str, ActorHandle],
                  cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
-                 recovery: RecoveryConfig | None = None) -> None:
+                 recovery: RecoveryConfig | None = None, replacer: Replacer | None = None) -> None:
         """`decodes` are keyed by the name the prefill workers know their endpoints by."""
         self.prefills = dict(prefills)
         self.decodes = dict(decodes)
@@ -78,7 +95,11 @@ class PDClient:
         self.local_placement: Placement = LeastLoaded() if self.scheduled is not None else self.placement  # type: ignore[assignment]
         self.recovery_cfg = recovery or RecoveryConfig()
         self.flights: dict[str, InFlight] = {}
-        self.dead: set[str] = set()  # workers seen dead (their actors do not restart)
+        self.dead: set[str] = set()  # workers seen dead (their actors do not restart) and not yet replaced
+        self.replacer = replacer
+        self.replacing: dict[str, asyncio.Task[None]] = {}
+        self.num_replaced = 0
+        self._replaced_at = float("-inf")  # monotonic time of the last replacement
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._loads: dict[str, WorkerLoad] = {}
@@ -112,7 +133,7 @@ class PDClient:
                     if not is_worker_failure(e, flight.attempt):
                         raise
                     dead = await self._after_failure(flight, e)
-                    choice = await self.recoveries.recover(flight, dead)
+                    choice = await self._recover(flight, dead)
                     flight.next_attempt()
         finally:
             del self.flights[req.request_id]
@@ -150,6 +171,29 @@ class PDClient:
         if not dead:
             await asyncio.sleep(cfg.retry_delay_s)
         return dead
+
+    async def _recover(self, flight: InFlight, dead: frozenset[str]) -> PlacementChoice:
+        """Where `flight` resumes (`RecoveryCoordinator.recover`). When no worker can take it while
+        replacements are starting (or one just joined and the scheduler may not have heard yet),
+        waits for them and asks again, until `replace_wait_s` has passed."""
+        deadline = time.monotonic() + self.recovery_cfg.replace_wait_s
+        while True:
+            try:
+                return await self.recoveries.recover(flight, dead)
+            except (NoWorkers, PlacementRefused) as e:
+                if isinstance(e, PlacementRefused) and e.reason != NO_HEALTHY_WORKER:
+                    raise
+                now = time.monotonic()
+                settling = now - self._replaced_at < _SETTLE_S
+                if not (self.replacing or settling) or now >= deadline:
+                    raise
+                if self.replacing:
+                    logger.info("%s: no healthy worker for it; waiting for the replacement of %s",
+                                flight.request_id, ", ".join(sorted(self.replacing)))
+                    await asyncio.wait(list(self.replacing.values()), timeout=deadline - now)
+                else:
+                    await asyncio.sleep(min(0.25, deadline - now))
+                dead = frozenset()  # a retry: the dead workers' round has been planned
 
     async def _attempt(self, flight: InFlight, choice: PlacementChoice) -> AsyncIterator[TokenEvent]:
         """One try at running `flight` where `choice` says; events are journaled as they pass."""
@@ -227,12 +271,41 @@ class PDClient:
 
     def _mark_dead(self, name: str) -> bool:
         if name not in self.dead:
-            logger.warning("worker %s is dead; excluded from placement", name)
+            logger.warning("worker %s is dead; excluded from placement%s", name,
+                           "; starting a replacement" if self.replacer is not None else "")
             self.dead.add(name)
+            if self.replacer is not None and name not in self.replacing:
+                self.replacing[name] = asyncio.ensure_future(self._replace(name))
         load = self._loads.get(name)
         if load is not None:
             self._loads[name] = replace(load, healthy=False)
         return True
+
+    async def _replace(self, name: str) -> None:
+        """Asks the replacer for a fresh `name` until one starts (backoff between tries); then the
+        new handle takes the old one's place and the worker is placeable again."""
+        assert self.replacer is not None
+        cfg = self.recovery_cfg
+        try:
+            for attempt in range(1, cfg.replace_attempts + 1):
+                started = time.monotonic()
+                try:
+                    handle = await self.replacer.replace(name)
+                except Exception as e:  # noqa: BLE001 - logged; tried again or given up below
+                    logger.warning("replacement %d/%d of %s failed: %r", attempt, cfg.replace_attempts, name, e)
+                    if attempt < cfg.replace_attempts:
+                        await asyncio.sleep(cfg.replace_backoff_s * 2 ** (attempt - 1))
+                    continue
+                (self.prefills if name in self.prefills else self.decodes)[name] = handle
+                self.dead.discard(name)
+                self.num_replaced += 1
+                self._replaced_at = time.monotonic()
+                self._loads_at = float("-inf")  # the next placement sees it healthy
+                logger.warning("worker %s replaced in %.1f s; placeable again", name, time.monotonic() - started)
+                return
+            logger.error("gave up replacing %s after %d tries; it stays out of placement", name, cfg.replace_attempts)
+        finally:
+            self.replacing.pop(name, None)
 
     async def _plan_recovery(self, dead: frozenset[str], flights: list[InFlight]) -> list[tuple[InFlight, _Outcome]]:
         loads = await self.loads()

@@ -9,7 +9,14 @@ the embedded default, 1 prefill + 1 decode + 1 cache actor, fits on 2 cores; `to
 decides how many cores each one's kernels really use.
 
 `start_pd` wires a deployment: store actors, decode actors, prefill actors that know every decode
-endpoint (they `add_peer` its transport metadata) and the stores.
+endpoint (they `add_peer` its transport metadata) and the stores; `start_colocated` a set of
+colocated workers. Actors never restart in place (`max_restarts=0`): a worker restarted by Ray
+would come back without its peers. Instead `PDDeployment.replace(name)` starts a fresh actor of
+the same kind under the same name and wires it as `start_pd` would (a new decode endpoint is
+added to every prefill worker; a new prefill worker learns every decode endpoint). The transports
+tell the new incarnation from the dead one by their incarnation numbers, the scheduler by the
+worker's telemetry incarnation; keeping the name keeps dashboards and metrics continuous.
+`PDClient` calls it when it declares a worker dead (`client(replace_dead=True)`).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import asyncio
 import logging
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import ray
 import torch
@@ -32,18 +40,20 @@ from actors.engine.engine import Engine
 from actors.engine.output import EngineStats
 from actors.handoff import kv_layout
 from actors.pd_client import PDClient
-from actors.placement import Placement
+from actors.placement import Placement, ScheduledPlacement
 from actors.prefill import PrefillWorker
 from actors.prefix_cache.actor import RayStoreHandle, start_store_actors
 from actors.prefix_cache.handles import StoreHandle
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig
+from actors.recovery import RecoveryConfig
 from actors.worker_config import ClientConfig, WorkerConfig
 from transfer.config import make_transport
 from transfer.transport import KVTransport
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WORKER_NUM_CPUS = 0.25
 START_TIMEOUT_S = 180.0  # model load in a fresh process on a busy 2-core box
@@ -105,21 +115,83 @@ class PDDeployment:
     prefills: dict[str, ActorHandle]
     decodes: dict[str, ActorHandle]  # keyed by transport endpoint name, as prefills know them
     stores: dict[StoreId, RayStoreHandle] = field(default_factory=dict)
+    cfg: WorkerConfig | None = None  # what replacements are built from; None: `replace` refuses
+    torch_threads: int | None = None
+    colocated: bool = False  # `decodes` are colocated workers (no prefill workers, no handoff)
+    start_timeout_s: float = START_TIMEOUT_S
 
-    def client(self, cfg: ClientConfig | None = None, placement: Placement | None = None,
-               prefills: list[str] | None = None) -> PDClient:
-        """A caller over all workers, or over the named prefill workers only."""
+    def client(self, cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
+               prefills: list[str] | None = None, *, recovery: RecoveryConfig | None = None,
+               replace_dead: bool = False) -> PDClient:
+        """A caller over all workers, or over the named prefill workers only; with `replace_dead`
+        it asks this deployment for a fresh worker whenever it declares one dead."""
         chosen = {n: self.prefills[n] for n in prefills} if prefills is not None else self.prefills
-        return PDClient(chosen, self.decodes, cfg, placement)
+        return PDClient(chosen, self.decodes, cfg, placement, recovery, replacer=self if replace_dead else None)
+
+    async def replace(self, name: str) -> ActorHandle:
+        """Kills what is left of worker `name`, starts a fresh actor of its kind under the same name,
+        wires it to the live peers, and returns it once it answers (within `start_timeout_s`).
+        A peer that does not take the new endpoint is logged and skipped: it is dead or dying, and
+        learns every endpoint when it is replaced in turn."""
+        if self.cfg is None:
+            raise RuntimeError(f"cannot replace {name}: this deployment was not started with its WorkerConfig")
+        kind = "prefill" if name in self.prefills else "decode" if name in self.decodes else None
+        if kind is None:
+            raise KeyError(f"no worker named {name!r} in this deployment")
+        _kill(self.prefills[name] if kind == "prefill" else self.decodes[name])
+        timeout = self.start_timeout_s
+        if self.colocated:
+            handle = RemoteColocated.remote(self.cfg, name, self.torch_threads)
+            await _started(handle, asyncio.wait_for(handle.load.remote(), timeout))
+        elif kind == "decode":
+            handle = RemoteDecode.remote(self.cfg, name, self.torch_threads)
+            metadata = await _started(handle, asyncio.wait_for(handle.transport_metadata.remote(), timeout))
+            await _each("add the new endpoint of " + name, {
+                p: asyncio.wait_for(prefill.add_peer.remote(metadata), timeout) for p, prefill in self.prefills.items()})
+        else:
+            handle = RemotePrefill.remote(self.cfg, name, self.stores or None, self.torch_threads)
+            await _started(handle, asyncio.wait_for(handle.load.remote(), timeout))
+            metadata = await _each("read the endpoint", {
+                d: asyncio.wait_for(decode.transport_metadata.remote(), timeout) for d, decode in self.decodes.items()})
+            await _each(f"add to {name}", {d: asyncio.wait_for(handle.add_peer.remote(m), timeout)
+                                           for d, m in metadata.items()})
+        (self.prefills if kind == "prefill" else self.decodes)[name] = handle
+        logger.info("replaced %s worker %s", kind, name)
+        return handle
 
     def shutdown(self) -> None:
         """Kills every actor of the deployment (their transports and store folders go with them)."""
-        handles = [*self.prefills.values(), *self.decodes.values(), *(s.actor for s in self.stores.values())]
-        for handle in handles:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # already dead: nothing to stop
-                pass
+        for handle in [*self.prefills.values(), *self.decodes.values(), *(s.actor for s in self.stores.values())]:
+            _kill(handle)
+
+
+def _kill(handle: ActorHandle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already dead: nothing to stop
+        pass
+
+
+async def _started(handle: ActorHandle, first_call: Awaitable[T]) -> T:
+    """The answer to a fresh actor's first call; the actor is killed if it never answers."""
+    try:
+        return await first_call
+    except BaseException:
+        _kill(handle)
+        raise
+
+
+async def _each(what: str, calls: Mapping[str, Awaitable[T]]) -> dict[str, T]:
+    """Runs one call per peer at once; returns the answers of those that answered, logs the rest."""
+    names = list(calls)
+    results = await asyncio.gather(*calls.values(), return_exceptions=True)
+    out = {}
+    for name, result in zip(names, results):
+        if isinstance(result, BaseException):
+            logger.warning("could not %s on %s: %r", what, name, result)
+        else:
+            out[name] = result
+    return out
 
 
 def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
@@ -134,7 +206,7 @@ def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
     prefills = {f"{prefix}-prefill-{i}": RemotePrefill.remote(cfg, f"{prefix}-prefill-{i}", stores or None,
                                                              torch_threads)
                 for i in range(num_prefill)}
-    deployment = PDDeployment(prefills, decodes, dict(stores))
+    deployment = PDDeployment(prefills, decodes, dict(stores), cfg, torch_threads, start_timeout_s=timeout_s)
     try:
         metadata = ray.get([d.transport_metadata.remote() for d in decodes.values()], timeout=timeout_s)
         for prefill in prefills.values():
@@ -144,4 +216,19 @@ def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
         deployment.shutdown()
         raise
     logger.info("started %d prefill, %d decode, %d cache actors (%s)", num_prefill, num_decode, len(stores), prefix)
+    return deployment
+
+
+def start_colocated(cfg: WorkerConfig, *, num_workers: int = 1, torch_threads: int | None = None,
+                    name_prefix: str = "colocated", timeout_s: float = START_TIMEOUT_S) -> PDDeployment:
+    """Starts `num_workers` colocated workers (`<prefix>-<i>`); returns once each answers."""
+    workers = {f"{name_prefix}-{i}": RemoteColocated.remote(cfg, f"{name_prefix}-{i}", torch_threads)
+               for i in range(num_workers)}
+    deployment = PDDeployment({}, workers, cfg=cfg, torch_threads=torch_threads, colocated=True,
+                              start_timeout_s=timeout_s)
+    try:
+        ray.get([w.load.remote() for w in workers.values()], timeout=timeout_s)
+    except BaseException:
+        deployment.shutdown()
+        raise
     return deployment

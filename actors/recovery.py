@@ -75,12 +75,16 @@ class RecoveryConfig:
     max_recoveries: int = 4  # worker failures per request; past it the failure reaches the caller
     retry_delay_s: float = 0.2  # before re-placing a request whose workers all look alive
     room_wait_s: float = 60.0  # a recovery that finds no decode worker with room retries this long
+    replace_wait_s: float = 120.0  # a recovery with no healthy worker waits this long for a replacement
+    replace_attempts: int = 3  # tries at starting a dead worker's replacement before giving up
+    replace_backoff_s: float = 2.0  # before the second try; doubled for each further one
 
     def __post_init__(self) -> None:
-        if min(self.gather_s, self.issue_timeout_s, self.probe_timeout_s, self.retry_delay_s, self.room_wait_s) < 0:
+        if min(self.gather_s, self.issue_timeout_s, self.probe_timeout_s, self.retry_delay_s, self.room_wait_s,
+               self.replace_wait_s, self.replace_backoff_s) < 0:
             raise ValueError("recovery timeouts must be >= 0")
-        if self.max_recoveries < 0:
-            raise ValueError("max_recoveries must be >= 0")
+        if self.max_recoveries < 0 or self.replace_attempts < 0:
+            raise ValueError("max_recoveries and replace_attempts must be >= 0")
 
 
 @dataclass(eq=False)

@@ -27,8 +27,7 @@ from ray.serve import Application
 
 from actors.engine.tokenizer import Tokenizer
 from actors.engine.fetch import resolve_model
-from actors.pd_client import PDClient
-from actors.ray_actors import RemoteColocated, start_pd
+from actors.ray_actors import PDDeployment, start_colocated, start_pd
 from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
 from cluster.actor import start_scheduler
 from cluster.descriptors import SloClass
@@ -75,13 +74,11 @@ class FerryIngress:
         self.tokenizer = Tokenizer.load(path)
         worker_cfg = cfg.to_worker_config()
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)
-        self._colocated: dict[str, Any] = {}
-        self._deployment = None
+        self._deployment: PDDeployment | None = None
         if cfg.mode == "colocated":
-            self._colocated = {f"colocated-{i}": RemoteColocated.remote(worker_cfg, f"colocated-{i}", threads)
-                               for i in range(cfg.num_decode)}
-            ray.get([a.load.remote() for a in self._colocated.values()], timeout=300)
-            client = PDClient({}, self._colocated, cfg.to_client_config(), LocalOnly())
+            self._deployment = start_colocated(worker_cfg, num_workers=cfg.num_decode, torch_threads=threads)
+            client = self._deployment.client(cfg.to_client_config(), LocalOnly(),
+                                             replace_dead=cfg.replace_dead_workers)
         else:
             self._deployment = start_pd(
                 worker_cfg, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
@@ -95,7 +92,8 @@ class FerryIngress:
                                                lambda old: ray.kill(old, no_restart=True))
                 self._placement = SchedulerPlacement(
                     self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
-            client = self._deployment.client(cfg.to_client_config(), self._placement)
+            client = self._deployment.client(cfg.to_client_config(), self._placement,
+                                             replace_dead=cfg.replace_dead_workers)
         max_len = cfg.engine.max_model_len or _context_of(path)
         self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
@@ -123,8 +121,6 @@ class FerryIngress:
             ray.kill(self._scheduler, no_restart=True)
         if self._deployment is not None:
             self._deployment.shutdown()
-        for actor in self._colocated.values():
-            ray.kill(actor, no_restart=True)
         if self._semantic_actor is not None:
             stop_semantic_cache(self._semantic_actor)  # saves first: the next ingress reloads it
 

@@ -75,6 +75,9 @@ class AppConfig(_Section):
                              "larger deltas (less CPU per token on the way to the client, same TTFT and TPOT, "
                              "coarser inter-token gaps)")
     loopback_only: bool = Field(True, description="bind every listener of ferry's own to 127.0.0.1 (local runs)")
+    replace_dead_workers: bool = Field(
+        True, description="start a fresh worker of the same kind and name when one dies; its streams resume "
+                          "there when no other worker can take them")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -33,6 +33,8 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="stream_interval"):
         load_config({"stream_interval": 0})
     assert load_config("deploy/serve.yaml").mode == "disaggregated"
+    assert load_config("deploy/serve.yaml").replace_dead_workers  # on unless a config turns it off
+    assert not load_config({"replace_dead_workers": False}).replace_dead_workers
     from deploy.config import read_args
     from deploy.scheduler_config import SchedulerSection
 

@@ -22,7 +22,7 @@ from actors.engine.engine import Engine
 from actors.engine.sampling import SamplingParams
 from actors.messages import GenerationRequest, TokenEvent
 from actors.pd_client import PDClient
-from actors.recovery import DECODING, PREFILLING, RecoveryConfig, RecoveryRecord
+from actors.recovery import PREFILLING, RecoveryConfig, RecoveryRecord
 from actors.worker_config import ClientConfig, WorkerConfig
 from cluster.config import SchedulerConfig
 from cluster.cost_model import StepCostPrior, StepTimeModel
@@ -40,6 +40,7 @@ NUM_TENANTS = 8
 # Tenant k: TTFT target 60 s x 2^k, TPOT target 0.1 s x 4^k. Far apart, so the order of remaining
 # budgets is decided by the tenant, not by a few milliseconds of timing noise, yet it is computed
 # from the requests' own progress below, never assumed.
+CLIENT = ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60, load_ttl_s=0.1)
 TTFT_S = [60.0 * 2**k for k in range(NUM_TENANTS)]
 TPOT_S = [0.1 * 4**k for k in range(NUM_TENANTS)]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -73,29 +74,36 @@ class Deployment:
         return records
 
 
-@pytest.fixture(scope="module")
-def dep(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[Deployment]:
+def worker_config(model: Path) -> WorkerConfig:
+    return WorkerConfig(model=str(model), engine=EngineConfig(num_blocks=NUM_BLOCKS, max_num_seqs=16),
+                        transfer=TransferConfig(send_staging_bytes=8 * MIB, recv_staging_bytes=8 * MIB),
+                        lease_s=20.0, transfer_timeout_s=10.0)
+
+
+def deployment(ray: ModuleType, model: Path, num_each: int, recovery: RecoveryConfig, *,
+               replace_dead: bool = False, prefix: str = "fail") -> Iterator[Deployment]:
+    """`num_each` prefill and decode actors, the scheduler actor, and a client placing through it."""
     from actors.ray_actors import start_pd
     from cluster.actor import start_scheduler
 
-    ray = ray_cluster
-    cfg = WorkerConfig(model=str(tiny_model_dir), engine=EngineConfig(num_blocks=NUM_BLOCKS, max_num_seqs=16),
-                       transfer=TransferConfig(send_staging_bytes=8 * MIB, recv_staging_bytes=8 * MIB),
-                       lease_s=20.0, transfer_timeout_s=10.0)
-    pd = start_pd(cfg, num_prefill=2, num_decode=2, torch_threads=1, name_prefix=f"fail-{uuid.uuid4().hex[:4]}")
+    pd = start_pd(worker_config(model), num_prefill=num_each, num_decode=num_each, torch_threads=1,
+                  name_prefix=f"{prefix}-{uuid.uuid4().hex[:4]}")
     sched_cfg = scheduler_config()
     scheduler = start_scheduler(sched_cfg, name=f"ferry-scheduler-{uuid.uuid4().hex[:6]}")
     link = SchedulerPlacement(scheduler, LinkConfig(report_interval_s=0.05, admit_timeout_s=3.0, call_timeout_s=3.0,
                                                     down_backoff_s=0.5), sched_cfg)
-    client = PDClient(pd.prefills, pd.decodes,
-                      ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60, load_ttl_s=0.1),
-                      link, RecoveryConfig(gather_s=3.0, probe_timeout_s=10.0))
+    client = pd.client(CLIENT, link, recovery=recovery, replace_dead=replace_dead)
     try:
-        yield Deployment(tiny_model_dir, pd, scheduler, link, client, list(pd.prefills), list(pd.decodes))
+        yield Deployment(model, pd, scheduler, link, client, list(pd.prefills), list(pd.decodes))
     finally:
         link.close()
         pd.shutdown()
         ray.kill(scheduler, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def dep(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[Deployment]:
+    yield from deployment(ray_cluster, tiny_model_dir, 2, RecoveryConfig(gather_s=3.0, probe_timeout_s=10.0))
 
 
 # ---- the failure-free run ---------------------------------------------------------------------
