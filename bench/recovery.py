@@ -1,0 +1,223 @@
+"""A decode worker killed with streams in flight, on SmolLM2-135M: do the streams finish, and how long do they stall?
+
+Each scenario is a fresh deployment on one local Ray cluster, placed by the scheduler actor as
+`ferry serve` does: the same `--streams` greedy chat requests are first run once without a failure
+(the reference: tokens, and the longest gap between two tokens of a stream when nothing fails),
+then again with the decode worker that holds most of them killed (`ray.kill`, like a SIGKILL) as
+soon as every stream has `--kill-after` tokens.
+- `1P+1D replace`: the lone decode worker dies; a replacement of the same name starts and the
+  streams resume there (what `ferry serve` runs: `replace_dead_workers` on).
+- `1P+1D no-replace`: the same deployment without replacement (ferry before it): nowhere to resume.
+- `1P+2D replace`: a second decode worker survives and takes the streams over at once; the dead one
+  is replaced in the background.
+Per scenario: streams that finished, each finished stream's stall (its longest gap between two
+tokens, which spans the failure) against the failure-free run's, the time from the kill to the
+replacement answering, and the streams whose tokens equal the failure-free run's (in bfloat16 the
+recomputed prefix rounds differently from the decode steps that made it, so a greedy stream may
+take another path after the resume point; `--dtype float32` shows the exact case).
+
+    .venv/bin/python bench/recovery.py [--streams 6] [--max-tokens 96] [--kill-after 24] [--dtype bfloat16]
+        [--model smollm2] [--scenarios all] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    _here = Path(__file__).resolve().parent  # import from the repository root, not bench/
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent))
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray port on 127.0.0.1
+
+import ray
+
+from actors.engine.config import EngineConfig
+from actors.engine.fetch import resolve_model
+from actors.engine.sampling import SamplingParams
+from actors.engine.tokenizer import Tokenizer
+from actors.messages import GenerationRequest
+from actors.pd_client import PDClient
+from actors.recovery import RecoveryConfig
+from actors.worker_config import ClientConfig, WorkerConfig
+from bench.common import format_table, print_json, progress
+from bench.pd import QUESTIONS, chat
+
+MODEL = "smollm2"
+CLIENT = ClientConfig(call_timeout_s=60, prefill_timeout_s=120, token_timeout_s=120, load_ttl_s=0.1)
+SCENARIOS = (("1P+1D replace", 1, True), ("1P+1D no-replace", 1, False), ("1P+2D replace", 2, True))
+
+
+@dataclasses.dataclass
+class Run:
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    arrivals: list[float] = dataclasses.field(default_factory=list)  # perf_counter at the caller, per token
+    error: str | None = None
+
+    @property
+    def longest_gap_s(self) -> float:
+        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
+
+
+@contextmanager
+def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterator[PDClient]:
+    """1 prefill + `num_decode` decode actors (1 torch thread each), the scheduler actor configured
+    as `ferry serve`'s default (its default tenant's loose SLO), and a client placing through it."""
+    from actors.ray_actors import start_pd
+    from cluster.actor import start_scheduler
+    from cluster.link import LinkConfig, SchedulerPlacement
+    from deploy.scheduler_config import SchedulerSection
+
+    tag = uuid.uuid4().hex[:6]
+    pd = start_pd(cfg, num_prefill=1, num_decode=num_decode, torch_threads=1, name_prefix=f"rb-{tag}")
+    sched_cfg = SchedulerSection().to_scheduler_config()
+    scheduler = start_scheduler(sched_cfg, name=f"rb-scheduler-{tag}")
+    link = SchedulerPlacement(scheduler, LinkConfig(report_interval_s=0.1), sched_cfg)
+    try:
+        yield pd.client(CLIENT, link, recovery=RecoveryConfig(), replace_dead=replace_dead)
+    finally:
+        link.close()
+        pd.shutdown()
+        ray.kill(scheduler, no_restart=True)
+
+
+async def run_streams(client: PDClient, reqs: list[GenerationRequest], kill_after: int | None) -> dict[str, Any]:
+    """Streams `reqs` at once; with `kill_after`, kills the decode worker holding most of them when
+    every stream has that many tokens, and times its replacement."""
+    runs = {r.request_id: Run() for r in reqs}
+
+    async def consume(req: GenerationRequest) -> None:
+        run = runs[req.request_id]
+        try:
+            async for event in client.generate(dataclasses.replace(req, arrival_time=time.time())):
+                now = time.perf_counter()
+                run.token_ids += event.output.new_token_ids
+                run.arrivals += [now] * len(event.output.new_token_ids)
+        except Exception as e:  # noqa: BLE001 - counted as a failed stream
+            cause = getattr(e, "cause", None) or e  # a worker's own error inside Ray's wrapper
+            lines = str(cause).strip().splitlines()
+            run.error = f"{type(cause).__name__}: {lines[-1] if lines else ''}"
+
+    tasks = asyncio.gather(*(consume(r) for r in reqs))
+    killed_at = replaced_at = None
+    replaced_before = client.num_replaced
+    while not tasks.done():
+        if kill_after is not None and killed_at is None and all(len(r.token_ids) >= kill_after for r in runs.values()):
+            held: dict[str, int] = {}
+            for flight in client.flights.values():
+                if flight.decode is not None:
+                    held[flight.decode] = held.get(flight.decode, 0) + 1
+            victim = max(sorted(held), key=lambda n: held[n])
+            ray.kill(client.decodes[victim], no_restart=True)
+            killed_at = time.perf_counter()
+            progress(f"  killed {victim} holding {held[victim]} of {len(reqs)} streams")
+        if killed_at is not None and replaced_at is None and client.num_replaced > replaced_before:
+            replaced_at = time.perf_counter()
+        await asyncio.sleep(0.005)
+    await tasks
+    deadline = time.perf_counter() + 240  # a replacement still starting when every stream had ended
+    while killed_at is not None and replaced_at is None and client.replacing and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+        if client.num_replaced > replaced_before:
+            replaced_at = time.perf_counter()
+    if kill_after is not None and killed_at is None:
+        raise RuntimeError("the kill never came: a stream ended (or failed) before every stream had "
+                           f"{kill_after} tokens: {[(len(r.token_ids), r.error) for r in runs.values()]}")
+    return {"runs": runs, "replace_s": None if replaced_at is None or killed_at is None else replaced_at - killed_at}
+
+
+async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode: int, replace_dead: bool,
+                   kill_after: int) -> dict[str, Any]:
+    with deployment(cfg, num_decode, replace_dead) as client:
+        await run_streams(client, reqs[:1], None)  # warm-up: model paths and the system prompt's blocks
+        ref = (await run_streams(client, [dataclasses.replace(r, request_id=f"{r.request_id}-ref") for r in reqs],
+                                 None))["runs"]
+        failed = await run_streams(client, reqs, kill_after)
+    runs: dict[str, Run] = failed["runs"]
+    ok = [rid for rid, r in runs.items() if r.error is None]
+    normal = [r.longest_gap_s for r in ref.values()]
+    stalls = [runs[rid].longest_gap_s for rid in ok]
+    return {
+        "streams": len(reqs), "finished": len(ok),
+        "errors": sorted({r.error for r in runs.values() if r.error}),
+        "stall_s_p50": statistics.median(stalls) if stalls else None, "stall_s_max": max(stalls, default=None),
+        "normal_longest_gap_s_max": max(normal),
+        "replace_s": failed["replace_s"],
+        "same_tokens_as_failure_free": sum(runs[rid].token_ids == ref[f"{rid}-ref"].token_ids for rid in ok),
+    }
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of the scenarios named in `args.scenarios`, on the Ray cluster already started."""
+    tok = Tokenizer.load(resolve_model(args.model))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    reqs = [GenerationRequest(f"s{i}", chat(tok, QUESTIONS[i % len(QUESTIONS)]), params)
+            for i in range(args.streams)]
+    cfg = WorkerConfig(model=args.model, engine=EngineConfig(num_blocks=512, dtype=args.dtype))
+    out: dict[str, Any] = {"model": args.model, "config": {
+        "streams": args.streams, "max_tokens": args.max_tokens, "kill_after": args.kill_after, "dtype": args.dtype,
+        "prompt_tokens": [len(r.prompt_token_ids) for r in reqs]}, "scenarios": {}}
+    for name, num_decode, replace_dead in SCENARIOS:
+        if name not in args.scenarios:
+            continue
+        progress(f"{name}: starting 1 prefill + {num_decode} decode actors and the scheduler")
+        out["scenarios"][name] = await scenario(cfg, reqs, num_decode, replace_dead, args.kill_after)
+    return out
+
+
+def render(f: dict[str, Any]) -> str:
+    c = f["config"]
+    rows = [[name, f"{s['finished']}/{s['streams']}", s["stall_s_p50"], s["stall_s_max"], s["normal_longest_gap_s_max"],
+             s["replace_s"], f"{s['same_tokens_as_failure_free']}/{s['finished']}" if s["finished"] else "-"]
+            for name, s in f["scenarios"].items()]
+    table = format_table(["scenario", "finished", "stall p50 s", "stall max s", "gap w/o failure s",
+                          "replaced after s", "same tokens"], rows,
+                         title=f"Decode worker killed after {c['kill_after']} of {c['max_tokens']} tokens, "
+                               f"{c['streams']} streams, {c['dtype']}")
+    errors = [f"  {name}: {e}" for name, s in f["scenarios"].items() for e in s["errors"]]
+    foot = (f"stall = a finished stream's longest gap between two tokens (spans the failure); prompts "
+            f"{min(c['prompt_tokens'])}-{max(c['prompt_tokens'])} tokens; wall {f['wall_s']:.0f} s")
+    return "\n".join([table, "", foot] + (["errors of the failed streams:"] + errors if errors else []))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--kill-after", type=int, default=24, help="tokens every stream has when the kill comes")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--model", default=MODEL, help="known name, .gguf file or HF folder")
+    parser.add_argument("--scenarios", default="all",
+                        help=f"comma-separated, of: {', '.join(n for n, _, _ in SCENARIOS)} (default all)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    args = parser.parse_args()
+    if args.streams < 1 or not 1 <= args.kill_after < args.max_tokens:
+        parser.error("--streams must be >= 1 and --kill-after between 1 and --max-tokens - 1")
+    known = [n for n, _, _ in SCENARIOS]
+    args.scenarios = known if args.scenarios == "all" else [n.strip() for n in args.scenarios.split(",")]
+    if unknown := [n for n in args.scenarios if n not in known]:
+        parser.error(f"unknown scenario(s) {unknown}; known: {known}")
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        figures = asyncio.run(bench(args))
+    finally:
+        ray.shutdown()
+    figures["wall_s"] = time.perf_counter() - t0
+    print_json(figures) if args.json else print(render(figures))
+
+
+if __name__ == "__main__":
+    main()
