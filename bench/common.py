@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,3 +110,21 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024
+
+
+def run_on_local_ray(bench: Callable[[Any], Awaitable[dict[str, Any]]], args: Any,
+                     render: Callable[[dict[str, Any]], str]) -> None:
+    """Runs `bench(args)` on a fresh local Ray cluster (2 CPUs, loopback, no dashboard), adds the
+    wall time as `wall_s`, and prints the figures as a table (`render`) or, with `args.json`, JSON."""
+    import asyncio
+
+    import ray
+
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        figures = asyncio.run(bench(args))
+    finally:
+        ray.shutdown()
+    figures["wall_s"] = time.perf_counter() - t0
+    print_json(figures) if args.json else print(render(figures))

@@ -48,7 +48,7 @@ from actors.pd_client import PDClient
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.ray_actors import RemoteColocated, RemotePrefill, start_pd
 from actors.worker_config import ClientConfig, WorkerConfig
-from bench.common import format_table, print_json, progress
+from bench.common import format_table, progress, run_on_local_ray
 
 MODEL = "smollm2"
 SYSTEM = (
@@ -280,14 +280,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.requests < 4 or args.max_tokens < 2:
         parser.error("--requests must be >= 4 and --max-tokens >= 2")
-    t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        figures = asyncio.run(bench(args))
-    finally:
-        ray.shutdown()
-    figures["wall_s"] = time.perf_counter() - t0
-    print_json(figures) if args.json else print(render(figures))
+    run_on_local_ray(bench, args, render)
 
 
 if __name__ == "__main__":

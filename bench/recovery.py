@@ -52,7 +52,7 @@ from actors.messages import GenerationRequest
 from actors.pd_client import PDClient
 from actors.recovery import RecoveryConfig
 from actors.worker_config import ClientConfig, WorkerConfig
-from bench.common import format_table, print_json, progress
+from bench.common import format_table, progress, run_on_local_ray
 from bench.pd import QUESTIONS, chat
 
 MODEL = "smollm2"
@@ -209,14 +209,7 @@ def main() -> None:
     args.scenarios = known if args.scenarios == "all" else [n.strip() for n in args.scenarios.split(",")]
     if unknown := [n for n in args.scenarios if n not in known]:
         parser.error(f"unknown scenario(s) {unknown}; known: {known}")
-    t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        figures = asyncio.run(bench(args))
-    finally:
-        ray.shutdown()
-    figures["wall_s"] = time.perf_counter() - t0
-    print_json(figures) if args.json else print(render(figures))
+    run_on_local_ray(bench, args, render)
 
 
 if __name__ == "__main__":
