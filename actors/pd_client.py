@@ -384,6 +384,8 @@ class PDClient:
                 return WorkerLoad(name, kind, 0, 0, 0, 0, 0, 0.0, healthy=False)
             try:
                 load = await self._bounded(handle.load.remote(), self.cfg.call_timeout_s, f"load of {name}")
+                if not load.healthy:  # its engine loop died: it never steps again
+                    self._mark_dead(name)
                 return replace(load, name=name)  # our key is the name placement answers with
             except (WorkerTimeout, RayActorError) as e:
                 if isinstance(e, ActorDiedError):

@@ -119,6 +119,7 @@ class PDDeployment:
     torch_threads: int | None = None
     colocated: bool = False  # `decodes` are colocated workers (no prefill workers, no handoff)
     start_timeout_s: float = START_TIMEOUT_S
+    closed: bool = False  # shut down: replacements are refused (and one under way is stopped)
 
     def client(self, cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
                prefills: list[str] | None = None, *, recovery: RecoveryConfig | None = None,
@@ -135,6 +136,8 @@ class PDDeployment:
         learns every endpoint when it is replaced in turn."""
         if self.cfg is None:
             raise RuntimeError(f"cannot replace {name}: this deployment was not started with its WorkerConfig")
+        if self.closed:
+            raise RuntimeError(f"cannot replace {name}: the deployment is shut down")
         kind = "prefill" if name in self.prefills else "decode" if name in self.decodes else None
         if kind is None:
             raise KeyError(f"no worker named {name!r} in this deployment")
@@ -155,12 +158,16 @@ class PDDeployment:
                 d: asyncio.wait_for(decode.transport_metadata.remote(), timeout) for d, decode in self.decodes.items()})
             await _each(f"add to {name}", {d: asyncio.wait_for(handle.add_peer.remote(m), timeout)
                                            for d, m in metadata.items()})
+        if self.closed:  # shut down while it started: it must not outlive the deployment
+            _kill(handle)
+            raise RuntimeError(f"the deployment shut down while {name} was being replaced")
         (self.prefills if kind == "prefill" else self.decodes)[name] = handle
         logger.info("replaced %s worker %s", kind, name)
         return handle
 
     def shutdown(self) -> None:
         """Kills every actor of the deployment (their transports and store folders go with them)."""
+        self.closed = True
         for handle in [*self.prefills.values(), *self.decodes.values(), *(s.actor for s in self.stores.values())]:
             _kill(handle)
 

@@ -129,3 +129,7 @@ def test_replace_refuses_what_it_cannot_build() -> None:
         asyncio.run(PDDeployment({}, {"d": object()}).replace("d"))  # type: ignore[dict-item]
     with pytest.raises(KeyError, match="no worker named 'x'"):
         asyncio.run(PDDeployment({}, {}, cfg=WorkerConfig(model="m")).replace("x"))
+    stopped = PDDeployment({}, {}, cfg=WorkerConfig(model="m"))
+    stopped.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(stopped.replace("x"))
