@@ -5,8 +5,11 @@ a CPU (it mostly waits on memory copies and file I/O, and the embedded default m
 `RayStoreHandle` adapts an actor handle to the pool's `StoreHandle` contract: `call` submits the
 method and returns the ObjectRef; `result` waits on it with the remaining deadline and translates
 Ray's failures into the pool's named errors. This file is the only one in the package that
-imports Ray. A dead actor is not restarted here: the pool drops it, and whoever owns the
-deployment may start a new store and `add_store` it (it comes back empty).
+imports Ray. A store actor that crashes is restarted by Ray (`max_restarts=-1`; the same handle
+serves on, the store comes back empty, its disk folder cleared); the pool drops it on its first
+failed call and takes it back once a probe gets an answer (pool.py). One killed on purpose
+(`ray.kill(..., no_restart=True)`) stays dead: whoever owns the deployment may start a new store
+and `add_store` it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
 
 STORE_NUM_CPUS = 0.1
 
-PrefixCacheActor = ray.remote(num_cpus=STORE_NUM_CPUS)(PrefixCacheStore)
+PrefixCacheActor = ray.remote(num_cpus=STORE_NUM_CPUS, max_restarts=-1)(PrefixCacheStore)
 
 
 class _RayPending:

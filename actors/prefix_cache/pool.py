@@ -9,7 +9,11 @@ missing, so one round trip of parallel calls answers the whole chain.
 Failures are misses. Every call has a deadline (`timeout_s`, shared by the whole fan-out); a
 store that times out, dies or raises is logged once, leaves the ring (its keys now route to the
 others, where they miss until recomputed blocks are put again) and counts as holding nothing.
-No store failure ever reaches the caller as an exception; `add_store` brings a store back.
+No store failure ever reaches the caller as an exception. A dropped store is probed again
+(`stats_dict`) `retry_s` later, then at doubling intervals up to `MAX_RETRY_S`: a store that was
+only slow, or that Ray restarted (its actor restarts, and comes back empty), rejoins the ring
+once it answers. Probes never wait: each pool call looks at the probe started by an earlier one.
+`add_store` brings a store back by hand.
 Bad input (a hash outside 128 bits, a payload that is not bytes) does raise, before any call.
 """
 
@@ -22,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from actors.engine.block_hash import BlockHash
-from actors.prefix_cache.handles import PendingCall, StoreHandle, StoreMethod
+from actors.prefix_cache.handles import PendingCall, StoreHandle, StoreMethod, StoreTimeout
 from actors.prefix_cache.ring import DEFAULT_VNODES_PER_STORE, HashRing, StoreId
 from actors.prefix_cache.stats import PrefixCacheStats
 from actors.prefix_cache.store import check_block_hash
@@ -30,6 +34,8 @@ from actors.prefix_cache.store import check_block_hash
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_RETRY_S = 5.0  # first probe of a dropped store
+MAX_RETRY_S = 60.0
 
 _Args = tuple[object, ...]
 _Handles = Mapping[StoreId, StoreHandle]
@@ -59,6 +65,16 @@ class PendingPut:
         return self._num_stored
 
 
+@dataclass
+class _Dropped:
+    """A store out of the ring, and when and how it is probed again."""
+
+    handle: StoreHandle
+    probe_at: float  # monotonic
+    num_failures: int = 1
+    probe: PendingCall | None = None
+
+
 class PrefixCachePool:
     def __init__(
         self,
@@ -66,14 +82,19 @@ class PrefixCachePool:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         vnodes_per_store: int = DEFAULT_VNODES_PER_STORE,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if timeout_s <= 0 or retry_s < 0:
+            raise ValueError(f"timeout_s must be positive and retry_s >= 0, got {timeout_s}, {retry_s}")
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
         self._lock = threading.Lock()  # guards membership; calls run outside it
         self._ring = HashRing(vnodes_per_store=vnodes_per_store)
         self._handles: dict[StoreId, StoreHandle] = {}
-        self._failed: dict[StoreId, None] = {}  # insertion-ordered set
+        self._failed: dict[StoreId, _Dropped] = {}  # in the order they were dropped
+        self._strikes: dict[StoreId, int] = {}  # times each store was dropped
+        self._healing = threading.Lock()
+        self.num_rejoined = 0
         for store_id, handle in stores.items():
             self.add_store(store_id, handle)
 
@@ -109,18 +130,63 @@ class PrefixCachePool:
             return self._ring.owner(check_block_hash(block_hash))
 
     def _drop(self, store_id: StoreId, error: BaseException) -> None:
-        if self.remove_store(store_id):  # only the first report of a failure gets logged
+        with self._lock:
+            handle = self._handles.pop(store_id, None)
+            if handle is None:  # only the first report of a failure counts
+                return
+            self._ring.remove(store_id)
+            # A store that fails again after rejoining waits longer each time (it may answer a
+            # probe yet time out on real work).
+            strikes = self._strikes[store_id] = self._strikes.get(store_id, 0) + 1
+            wait_s = min(MAX_RETRY_S, self.retry_s * 2 ** (strikes - 1))
+            self._failed[store_id] = _Dropped(handle, time.monotonic() + wait_s, strikes)
+        logger.warning("prefix-cache store %s failed (%s: %s); it leaves the ring, its keys are misses; "
+                       "probed again in %g s", store_id, type(error).__name__, error, wait_s)
+
+    def _heal(self) -> None:
+        """Looks at the probes of dropped stores (never waits): a store that answered rejoins the
+        ring; one that failed again is probed later; one whose time has come gets a probe."""
+        if not self._failed or not self._healing.acquire(blocking=False):
+            return  # nothing dropped, or another thread is looking right now
+        try:
+            self._heal_due(time.monotonic())
+        finally:
+            self._healing.release()
+
+    def _heal_due(self, now: float) -> None:
+        with self._lock:
+            due = [(s, d) for s, d in self._failed.items() if d.probe is not None or d.probe_at <= now]
+        for store_id, dropped in due:
+            if dropped.probe is None:
+                try:
+                    dropped.probe = dropped.handle.call("stats_dict")
+                except Exception:  # noqa: BLE001 - cannot even start a call: try later
+                    self._probe_failed(dropped, now)
+                    continue
+            try:
+                dropped.probe.result(0.0)
+            except StoreTimeout:
+                continue  # not answered yet; looked at again by the next call
+            except Exception:  # noqa: BLE001 - still gone (or broken): try later
+                self._probe_failed(dropped, now)
+                continue
             with self._lock:
-                self._failed[store_id] = None
-            logger.warning(
-                "prefix-cache store %s failed (%s: %s); it leaves the ring, its keys are misses",
-                store_id, type(error).__name__, error,
-            )
+                if self._failed.get(store_id) is not dropped:
+                    continue  # re-added (or dropped again) meanwhile
+            self.add_store(store_id, dropped.handle)
+            self.num_rejoined += 1
+            logger.warning("prefix-cache store %s answers again; back on the ring (empty if it restarted)", store_id)
+
+    def _probe_failed(self, dropped: _Dropped, now: float) -> None:
+        dropped.probe = None
+        dropped.probe_at = now + min(MAX_RETRY_S, self.retry_s * 2 ** dropped.num_failures)
+        dropped.num_failures += 1
 
     # --- fan-out with one deadline --------------------------------------------------------
 
     def _route(self, hashes: Sequence[BlockHash]) -> tuple[dict[StoreId, list[int]], _Handles]:
         """Positions of `hashes` grouped by owner, and a snapshot of the owners' handles."""
+        self._heal()
         positions: dict[StoreId, list[int]] = {}
         with self._lock:
             if not self._handles:
@@ -204,6 +270,7 @@ class PrefixCachePool:
         return PendingPut(self, self._start("put", args, handles))
 
     def stats(self) -> PoolStats:
+        self._heal()
         with self._lock:
             handles = dict(self._handles)
         results = self._fan_out("stats_dict", dict.fromkeys(handles, ()), handles)

@@ -88,6 +88,32 @@ def test_failed_store_becomes_misses_others_still_hit(
     assert pool.failed_store_ids == () and pool.match_prefix(CHAIN) == 24
 
 
+def test_a_dropped_store_is_probed_and_rejoins_once_it_answers(handles: dict[StoreId, LocalStoreHandle]) -> None:
+    pool = PrefixCachePool(handles, retry_s=0.2)
+    pool.put([(h, blob(h)) for h in CHAIN]).wait()
+    sick = pool.owner(CHAIN[0])
+    handles[sick].fail()
+    assert pool.match_prefix(CHAIN) == 0 and pool.failed_store_ids == (sick,)
+    time.sleep(0.25)
+    assert pool.match_prefix(CHAIN[:1]) == 0  # probed: still failing, so the next probe is 0.4 s away
+    handles[sick].failed = False  # it answers again (a slow store, or one Ray restarted)
+    pool.match_prefix([])
+    assert pool.failed_store_ids == (sick,) and pool.num_rejoined == 0  # not probed again yet
+    time.sleep(0.45)
+    assert pool.match_prefix(CHAIN) == 24  # this call's probe got the answer before routing
+    assert pool.failed_store_ids == () and sick in pool.store_ids and pool.num_rejoined == 1
+    # Dropped a second time, it waits twice as long before its first probe (a flapping store).
+    handles[sick].fail()
+    pool.match_prefix(CHAIN)
+    handles[sick].failed = False
+    time.sleep(0.25)
+    pool.match_prefix([])
+    assert pool.failed_store_ids == (sick,)
+    time.sleep(0.2)
+    pool.match_prefix([])
+    assert pool.failed_store_ids == () and pool.num_rejoined == 2
+
+
 def test_every_store_failed_means_empty_answers(handles: dict[StoreId, LocalStoreHandle]) -> None:
     pool = PrefixCachePool(handles)
     for handle in handles.values():

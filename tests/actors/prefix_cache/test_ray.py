@@ -81,6 +81,51 @@ def test_pool_over_actors_survives_a_killed_actor(ray_cluster: ModuleType, tmp_p
             ray.kill(handle.actor, no_restart=True)
 
 
+class SlowRestartStore(PrefixCacheStore):
+    """A store whose restart takes `RESTART_S` (a marker file tells a restart from the first start),
+    so calls during it fail or time out for certain."""
+
+    RESTART_S = 6.0
+
+    def __init__(self, cfg: PrefixCacheConfig, store_id: str, marker: str) -> None:
+        if Path(marker).exists():
+            time.sleep(self.RESTART_S)
+        Path(marker).touch()
+        super().__init__(cfg, store_id)
+
+
+def test_a_crashed_store_actor_is_restarted_and_rejoins_the_pool(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    ray = ray_cluster
+    from actors.prefix_cache.actor import RayStoreHandle
+    from actors.prefix_cache.pool import PrefixCachePool
+    from actors.prefix_cache.ring import StoreId
+
+    cfg = PrefixCacheConfig(dram_bytes=1 << 16, disk_bytes=1 << 20, disk_dir=str(tmp_path))
+    ids = [StoreId(f"crash-{uuid.uuid4().hex[:6]}-{i}") for i in range(2)]
+    actor_class = ray.remote(num_cpus=0.1, max_restarts=-1)(SlowRestartStore)  # as PrefixCacheActor
+    handles = {s: RayStoreHandle(actor_class.remote(cfg, s, str(tmp_path / f"{s}.started"))) for s in ids}
+    try:
+        pool = PrefixCachePool(handles, timeout_s=TIMEOUT_S, retry_s=0.5)
+        assert pool.put([(h, blob(h)) for h in CHAIN]).wait(60) == 16
+        victim = pool.owner(CHAIN[0])
+        ray.kill(handles[victim].actor, no_restart=False)  # a crash: Ray restarts the actor
+        deadline = time.monotonic() + 60
+        while pool.failed_store_ids != (victim,):  # ray.kill is asynchronous: the first calls may still land
+            assert time.monotonic() < deadline, "the crashed store was never dropped"
+            pool.match_prefix(CHAIN)
+        while victim not in pool.store_ids:  # each call looks at the probe an earlier one started
+            assert time.monotonic() < deadline, "the restarted store never rejoined"
+            pool.match_prefix([])
+            time.sleep(0.2)
+        assert pool.failed_store_ids == () and pool.num_rejoined == 1
+        assert pool.match_prefix(CHAIN) == 0  # it came back empty: its blocks are misses
+        assert pool.put([(h, blob(h)) for h in CHAIN]).wait(30) == sum(1 for h in CHAIN if pool.owner(h) == victim)
+        assert pool.get_prefix(CHAIN) == [blob(h) for h in CHAIN]  # the same handle serves on
+    finally:
+        for handle in handles.values():
+            ray.kill(handle.actor, no_restart=True)
+
+
 def test_hung_actor_times_out_into_misses(ray_cluster: ModuleType, tmp_path: Path) -> None:
     ray = ray_cluster
     from actors.prefix_cache.actor import RayStoreHandle
