@@ -37,6 +37,7 @@ from deploy.config import AppConfig, ConfigError, load_config
 from deploy.dashboard.monitoring import Monitoring
 from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
+from deploy.openai.drain import DrainState
 from deploy.scheduler_config import SchedulerSection
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
 
@@ -112,7 +113,13 @@ class FerryIngress:
         app = build_api(self.monitoring.backend, self.cfg.api, semantic=self.semantic)
         self.monitoring.mount(app)
         app.add_middleware(SloClassHeader)
+        self._drain_state: DrainState = app.state.drain
         return app
+
+    async def drain(self, timeout_s: float) -> int:
+        """Before a stop (`ferry serve` on Ctrl-C or SIGTERM; a handle call): new requests get 503,
+        those in flight get up to `timeout_s` to finish. Returns how many were still in flight."""
+        return await self._drain_state.drain(timeout_s)
 
     def __del__(self) -> None:
         if self._placement is not None:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from typing import Any
 
 from actors.engine.errors import EngineError
 from deploy.bench_cli import add_bench_parser
@@ -87,11 +88,40 @@ Ctrl-C stops it.""", flush=True)
         stop.wait()
     except KeyboardInterrupt:
         pass
+    _drain(serve, args.drain_timeout)
     import ray
 
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def _drain(serve: Any, timeout_s: float) -> None:
+    """Lets the requests in flight finish (up to `timeout_s`) while new ones get 503; a second
+    Ctrl-C or SIGTERM stops at once."""
+    import signal
+
+    if timeout_s <= 0:
+        return
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    print(f"stopping: new requests get 503; waiting up to {timeout_s:g} s for those in flight "
+          "(Ctrl-C again stops now) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        left = serve.get_app_handle("ferry").drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+    except KeyboardInterrupt:
+        print("stopping now", file=sys.stderr, flush=True)
+        return
+    except Exception as e:  # noqa: BLE001 - the stop goes on regardless
+        print(f"could not drain ({type(e).__name__}: {e}); stopping now", file=sys.stderr, flush=True)
+        return
+    took = time.perf_counter() - t0
+    print(f"drained in {took:.1f} s" if not left else f"{left} request(s) still in flight after {took:.0f} s; "
+          "cutting them", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the disaggregated app on a local Ray cluster (127.0.0.1)")
     srv.add_argument("--config", default=None, help="YAML config (deploy/serve.yaml shows every field)")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="on Ctrl-C or SIGTERM, seconds the requests in flight get to finish while new ones "
+                          "get 503 (0: stop at once; default 30)")
     srv.set_defaults(func=_cmd_serve)
 
     add_ops_parsers(sub)

@@ -5,8 +5,10 @@ body size; FastAPI parses the body into the pydantic model of its endpoint (the 
 generate `/openapi.json`, so the docs are what the server accepts); the handler prepares the prompt
 and sampling parameters (`prepare.py`), asks the backend for a stream of outputs, and renders them
 as one JSON answer or as server-sent events (`stream.py`, `render.py`). Errors at any layer leave as
-OpenAI-style JSON (`errors.py`). The Ray Serve ingress mounts this app and supplies a backend wired
-to the cluster; tests supply `EngineBackend` over a tiny model.
+OpenAI-style JSON (`errors.py`). Outside the Gate, `DrainGate` (drain.py) counts the requests in
+flight and, once `app.state.drain.drain()` is called before a stop, refuses new ones with 503 while
+those finish. The Ray Serve ingress mounts this app and supplies a backend wired to the cluster;
+tests supply `EngineBackend` over a tiny model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import BaseModel
 
 from deploy.openai.backend import Backend
 from deploy.openai.config import ApiConfig
+from deploy.openai.drain import DrainGate, DrainState
 from deploy.openai.errors import ApiError, ErrorResponse, install_error_handlers, to_api_error
 from deploy.openai.gate import Gate
 from deploy.openai.logprobs import TokenStrings
@@ -113,6 +116,8 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
     install_error_handlers(app)
     _install_openapi(app)
     app.add_middleware(Gate, cfg=cfg)
+    app.state.drain = DrainState()  # `await app.state.drain.drain(timeout_s)` before a stop
+    app.add_middleware(DrainGate, state=app.state.drain)
     # Documents the bearer scheme in /openapi.json; the Gate has already checked the key.
     secured = [Security(HTTPBearer(auto_error=False, description="API key; it selects the tenant."))]
     if semantic is None and cfg.semantic_cache is not None:

@@ -60,7 +60,7 @@ class Gate:
 
         try:
             headers = Headers(scope=scope)
-            is_api = _route_path(scope).startswith("/v1/")  # docs and /health stay public
+            is_api = route_path(scope).startswith("/v1/")  # docs and /health stay public
             state["tenant"] = self._tenant(headers) if is_api else self.cfg.default_tenant
             if scope["method"] in _BODY_METHODS:
                 receive = await self._buffered(headers, receive)
@@ -126,7 +126,7 @@ class Gate:
         return replay
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     # Mounted under a prefix (a Serve route prefix, a Starlette Mount), `path` starts with it.
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path

@@ -253,7 +253,8 @@ def test_semantic_cache_answers_through_its_actor_and_shows_on_metrics(served):
     assert series[("ray_ferry_semantic_similarity_bucket", frozenset({("le", "1.0")}))] == 2
 
 
-def test_deleting_the_app_saves_the_semantic_cache(served, semantic_dir):
+def test_a_stop_drains_then_deleting_the_app_saves_the_semantic_cache(served, semantic_dir):
+    import httpx2
     import ray
     from ray import serve
 
@@ -265,6 +266,12 @@ def test_deleting_the_app_saves_the_semantic_cache(served, semantic_dir):
     semantic_chat(served, "Why is the sky blue?")
     wait_entries(actor, size + 1)
     assert not (semantic_dir / MANIFEST).exists()  # no timer, under 64 inserts: nothing saved yet
+    # What `ferry serve` does on Ctrl-C before deleting the app: nothing in flight, so it drains at once.
+    assert serve.get_app_handle("ferry-test").drain.remote(10.0).result(timeout_s=60) == 0
+    refused = httpx2.post(f"{served}/v1/completions", json={"model": "x", "prompt": "hi"}, timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    health = httpx2.get(f"{served}/health", timeout=30)
+    assert health.status_code == 503 and health.json() == {"healthy": False, "draining": True, "in_flight": 0}
     serve.delete("ferry-test")  # the replica's shutdown: lifespan end (save), __del__ (save, kill)
     manifest = json.loads((semantic_dir / MANIFEST).read_text())
     prompts = [e["prompt"] for p in manifest["partitions"] for e in p["entries"]]
