@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import Any
 
 from actors.engine.output import RequestOutput
@@ -101,12 +101,24 @@ class ClusterBackend:
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
                           "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks}
                    for name, w in loads.items()}
-        report: dict[str, Any] = {"healthy": bool(workers) and all(w["healthy"] for w in workers.values()),
-                                  "workers": workers}
+        report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
+        down = sorted(name for name, w in workers.items() if not w["healthy"])
+        if down:  # serving on the others (or not at all); dead ones are being replaced
+            report["degraded"] = {"down": down, "replacing": sorted(getattr(self.client, "replacing", {}))}
         link = getattr(self.client.scheduled, "stats", None)
         if link is not None:  # the scheduler actor is not on the request path: its state is detail only
             report["scheduler"] = {"available": self.client.scheduled.available, **vars(link)}  # type: ignore[union-attr]
         return report
+
+
+def can_serve(loads: Iterable[WorkerLoad]) -> bool:
+    """Whether a request can be served now: a healthy worker that decodes, and a healthy prefill
+    worker unless there are none (colocated). A worker down while others of its kind serve makes
+    the app degraded, not unhealthy: a load balancer keeps sending here."""
+    loads = list(loads)
+    decodes = any(w.healthy for w in loads if w.kind in ("decode", "colocated"))
+    prefills = [w for w in loads if w.kind == "prefill"]
+    return decodes and (not prefills or any(w.healthy for w in prefills))
 
 
 def _refusal(e: PlacementRefused) -> Exception:

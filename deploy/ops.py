@@ -126,6 +126,13 @@ def render_status(url: str, health: dict[str, Any]) -> str:
     workers = workers_of(health)
     state = "healthy" if health.get("healthy") else "UNHEALTHY"
     why = f" ({health['error']})" if health.get("error") else ""
+    degraded = health.get("degraded")
+    if isinstance(degraded, dict) and degraded.get("down"):
+        replacing = degraded.get("replacing") or []
+        why += f", degraded: {', '.join(degraded['down'])} down" + (
+            f", replacing {', '.join(replacing)}" if replacing else "")
+    if health.get("draining"):
+        why += f" (draining: {health.get('in_flight', 0)} request(s) in flight)"
     model = f", model {health['model']}" if health.get("model") else ""
     out = [f"ferry at {url}: {state}{why}{model}, {len(workers)} worker(s)"]
     rows = [("WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV USE")]

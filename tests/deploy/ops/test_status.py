@@ -86,6 +86,18 @@ def test_unhealthy_server_exits_1(app: App, capsys: pytest.CaptureFixture[str]) 
     assert out[0].endswith(": UNHEALTHY, 1 worker(s)") and out[2].split()[2] == "DOWN"
 
 
+def test_degraded_and_draining_servers_say_so(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    down = dict(CLUSTER_HEALTH["workers"]["decode-0"], healthy=False)  # type: ignore[arg-type]
+    app.backend.health_override = {"healthy": True, "workers": {**CLUSTER_HEALTH["workers"], "decode-1": down},
+                                   "degraded": {"down": ["decode-1"], "replacing": ["decode-1"]}}
+    assert ferry(["status", "--url", app.base_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(": healthy, degraded: decode-1 down, replacing decode-1, 3 worker(s)")
+    app.backend.health_override = {"healthy": False, "draining": True, "in_flight": 2}
+    assert ferry(["status", "--url", app.base_url]) == 1
+    assert capsys.readouterr().out.splitlines()[0].endswith(": UNHEALTHY (draining: 2 request(s) in flight), 0 worker(s)")
+
+
 def test_nothing_listening_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

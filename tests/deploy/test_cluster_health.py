@@ -1,0 +1,47 @@
+"""`/health` of the cluster backend: healthy means a request can be served now; a worker down
+while others of its kind serve is "degraded" (named, with the replacements under way)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from actors.messages import WorkerLoad
+from deploy.cluster_backend import ClusterBackend, can_serve
+
+
+def load(name: str, kind: str, healthy: bool = True) -> WorkerLoad:
+    return WorkerLoad(name, kind, 1, 0, 0, 90, 100, 0.01, healthy)  # type: ignore[arg-type]
+
+
+class Client:
+    """What `ClusterBackend.health` reads of a `PDClient`."""
+
+    scheduled = None
+
+    def __init__(self, loads: list[WorkerLoad], replacing: tuple[str, ...] = ()) -> None:
+        self._loads = {w.name: w for w in loads}
+        self.replacing = dict.fromkeys(replacing)
+
+    async def loads(self) -> dict[str, WorkerLoad]:
+        return self._loads
+
+
+def health(loads: list[WorkerLoad], replacing: tuple[str, ...] = ()) -> dict[str, Any]:
+    return asyncio.run(ClusterBackend(Client(loads, replacing), None, "m", 100).health())  # type: ignore[arg-type]
+
+
+def test_a_worker_down_beside_a_healthy_one_of_its_kind_is_degraded_not_unhealthy() -> None:
+    report = health([load("p0", "prefill"), load("d0", "decode", False), load("d1", "decode")], ("d0",))
+    assert report["healthy"] is True and report["degraded"] == {"down": ["d0"], "replacing": ["d0"]}
+    assert report["workers"]["d0"]["healthy"] is False and report["workers"]["d1"]["running"] == 1
+
+
+def test_no_healthy_worker_of_a_needed_kind_is_unhealthy() -> None:
+    assert health([load("p0", "prefill"), load("d0", "decode", False)])["healthy"] is False
+    assert health([load("p0", "prefill", False), load("d0", "decode")])["healthy"] is False
+    assert health([])["healthy"] is False
+    all_up = health([load("p0", "prefill"), load("d0", "decode")])
+    assert all_up["healthy"] is True and "degraded" not in all_up
+    assert can_serve([load("c0", "colocated", False), load("c1", "colocated")])  # no prefill workers needed
+    assert not can_serve([load("p0", "prefill")])
