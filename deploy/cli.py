@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineError, ValueError) as e:
         print(f"ferry: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ferry status | head`: the reader left early; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush stays quiet
+        return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +99,16 @@ def test_degraded_and_draining_servers_say_so(app: App, capsys: pytest.CaptureFi
     app.backend.health_override = {"healthy": False, "draining": True, "in_flight": 2}
     assert ferry(["status", "--url", app.base_url]) == 1
     assert capsys.readouterr().out.splitlines()[0].endswith(": UNHEALTHY (draining: 2 request(s) in flight), 0 worker(s)")
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(app: App) -> None:
+    ferry_bin = Path(sys.executable).with_name("ferry")
+    proc = subprocess.Popen([str(ferry_bin), "status", "--url", app.base_url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head -0`: gone before the table is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_nothing_listening_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
