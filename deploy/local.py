@@ -10,6 +10,7 @@ deploy/cluster.yaml`) keeps Ray's auth on.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 
@@ -41,9 +42,30 @@ def bind_replica_grpc_to_loopback() -> None:
     replica.add_port_to_grpc_server = loopback_only
 
 
+class PortInUse(ValueError):
+    """A port ferry serves on is taken; raised before anything starts (the CLI prints it)."""
+
+
+def check_ports_free(ports: dict[str, int], host: str = "127.0.0.1") -> None:
+    """Raises `PortInUse` naming every port of `ports` (what -> port) that something listens on.
+    SO_REUSEADDR, so a port only in TIME_WAIT after a previous run counts as free (as it is)."""
+    taken = []
+    for what, port in ports.items():
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                taken.append(f"{port} ({what})")
+    if taken:
+        raise PortInUse(f"port {' and '.join(taken)} on {host} is in use: is another ferry (or another server) "
+                        "running? Stop it, or serve the API elsewhere with --port.")
+
+
 def start_local(http_port: int = 8000, dashboard_port: int = 8265, metrics_port: int = 8080,
                 num_cpus: int | None = None) -> LocalUrls:
     loopback_env()
+    check_ports_free({"the API": http_port, "Ray's dashboard": dashboard_port, "the metrics": metrics_port})
     import ray
     from ray import serve
 
