@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "ferry" / "bench")
     p.add_argument("--results-md", type=Path, default=None, help="also write this RESULTS.md")
     p.add_argument("--note", action="append", default=[], help="a line for RESULTS.md's notes")
+    p.add_argument("--json", action="store_true",
+                   help="print the figures (results.json) on stdout instead of the table; the rest goes to stderr")
 
 
 def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchRequest], str]:
@@ -180,11 +182,12 @@ def run_bench(a: argparse.Namespace) -> int:
             "parallel": a.parallel}
     write_json(results, meta, out / "results.json")
     pngs = plot(results, a.knee_attainment, out)
-    print(table(results, a.knee_attainment))
-    print(f"results: {out / 'results.json'}" + "".join(f"\nplot: {p}" for p in pngs))
+    notes = sys.stderr if a.json else sys.stdout
+    print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment))
+    print(f"results: {out / 'results.json'}" + "".join(f"\nplot: {p}" for p in pngs), file=notes)
     if a.results_md:
         write_results_md(results, meta, a.knee_attainment, a.results_md, a.note)
-        print(f"wrote {a.results_md}")
+        print(f"wrote {a.results_md}", file=notes)
     return 0 if any(r.points for r in results) else 1
 
 

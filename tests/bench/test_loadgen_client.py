@@ -123,3 +123,17 @@ def test_url_mode_sends_the_model_the_server_lists(server: str, tmp_path) -> Non
     SEEN.clear()
     assert run_bench(_args(tmp_path, "--url", server, "--rate", "3")) == 0
     assert SEEN and {s["model"] for s in SEEN} == {"served-name"}
+
+
+def test_json_prints_the_figures_of_results_json_on_stdout(server: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from bench.loadgen.cli import run_bench
+
+    assert run_bench(_args(tmp_path, "--url", server, "--rate", "3", "--json")) == 0
+    captured = capsys.readouterr()
+    figures = json.loads(captured.out)  # nothing else on stdout
+    (point,) = figures["systems"][0]["points"]
+    assert point["rate_rps"] == 3.0 and point["completed"] >= 1 and "goodput" in point
+    written = next(tmp_path.glob("*/results.json"))
+    assert json.loads(written.read_text()) == figures and f"results: {written}" in captured.err
