@@ -125,7 +125,8 @@ class PDDeployment:
                prefills: list[str] | None = None, *, recovery: RecoveryConfig | None = None,
                replace_dead: bool = False) -> PDClient:
         """A caller over all workers, or over the named prefill workers only; with `replace_dead`
-        it asks this deployment for a fresh worker whenever it declares one dead."""
+        it asks this deployment for a fresh worker whenever it declares one dead (give that to one
+        client per deployment: two would each replace the same dead worker)."""
         chosen = {n: self.prefills[n] for n in prefills} if prefills is not None else self.prefills
         return PDClient(chosen, self.decodes, cfg, placement, recovery, replacer=self if replace_dead else None)
 
