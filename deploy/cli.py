@@ -113,7 +113,7 @@ def _drain(serve: Any, timeout_s: float) -> None:
           "(Ctrl-C again stops now) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        left = serve.get_app_handle("ferry").drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+        left = serve.get_app_handle("ferry").drain.remote(timeout_s).result(timeout_s=timeout_s + 5)
     except KeyboardInterrupt:
         print("stopping now", file=sys.stderr, flush=True)
         return

@@ -111,18 +111,35 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
     raise ValueError(f"unknown peer {name!r}; known: {', '.join(ALL_PEERS)}")
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM the group this harness created (its leader is proc.pid), then SIGKILL if needed."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0, straggler_wait_s: float = 10.0) -> None:
+    """SIGTERM the peer's own process first (ferry then drains and stops the Ray cluster it started,
+    whose processes share its group and would die under it if signalled together), then whatever is
+    left of the group this harness created (its leader is proc.pid): SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    for sig, wait_s in ((signal.SIGTERM, straggler_wait_s), (signal.SIGKILL, 10.0)):
+        if not _group_alive(proc.pid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+    proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal still exists
+        return True
+    return True
 
 
 @contextlib.contextmanager

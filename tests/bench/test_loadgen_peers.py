@@ -38,3 +38,21 @@ def test_unknown_peer_and_missing_binaries_are_reported(tmp_path: Path, monkeypa
     with pytest.raises(PeerUnavailable, match="build_peers.sh"):
         command("llama-server", spec, 8123, tmp_path)
 
+
+
+def test_stop_signals_the_peer_first_then_what_is_left_of_its_group() -> None:
+    import subprocess
+    import time
+
+    from bench.loadgen.peers import _group_alive, _stop
+
+    # The leader exits on SIGTERM (as ferry does after its drain); its child ignores SIGTERM (a
+    # straggler), so only the group's SIGKILL ends it.
+    script = "trap 'echo leader-got-term; exit 0' TERM; (trap '' TERM; exec sleep 300) & wait"
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    assert _group_alive(proc.pid)
+    t0 = time.monotonic()
+    _stop(proc, grace_s=5.0, straggler_wait_s=1.0)
+    assert not _group_alive(proc.pid) and time.monotonic() - t0 < 15.0
+    assert proc.stdout is not None and proc.stdout.read() == "leader-got-term\n"
