@@ -99,7 +99,7 @@ class PDClient:
         self.replacer = replacer
         self.replacing: dict[str, asyncio.Task[None]] = {}
         self.num_replaced = 0
-        self._replaced_at = float("-inf")  # monotonic time of the last replacement
+        self.replaced_at = float("-inf")  # time.monotonic() of the last replacement
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._loads: dict[str, WorkerLoad] = {}
@@ -184,7 +184,7 @@ class PDClient:
                 if isinstance(e, PlacementRefused) and e.reason != NO_HEALTHY_WORKER:
                     raise
                 now = time.monotonic()
-                settling = now - self._replaced_at < _SETTLE_S
+                settling = now - self.replaced_at < _SETTLE_S
                 if not (self.replacing or settling) or now >= deadline:
                     raise
                 if self.replacing:
@@ -299,7 +299,7 @@ class PDClient:
                 (self.prefills if name in self.prefills else self.decodes)[name] = handle
                 self.dead.discard(name)
                 self.num_replaced += 1
-                self._replaced_at = time.monotonic()
+                self.replaced_at = time.monotonic()
                 self._loads_at = float("-inf")  # the next placement sees it healthy
                 logger.warning("worker %s replaced in %.1f s; placeable again", name, time.monotonic() - started)
                 return

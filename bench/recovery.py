@@ -111,7 +111,7 @@ async def run_streams(client: PDClient, reqs: list[GenerationRequest], kill_afte
             run.error = f"{type(cause).__name__}: {lines[-1] if lines else ''}"
 
     tasks = asyncio.gather(*(consume(r) for r in reqs))
-    killed_at = replaced_at = None
+    killed_at = None
     replaced_before = client.num_replaced
     while not tasks.done():
         if kill_after is not None and killed_at is None and all(len(r.token_ids) >= kill_after for r in runs.values()):
@@ -121,21 +121,16 @@ async def run_streams(client: PDClient, reqs: list[GenerationRequest], kill_afte
                     held[flight.decode] = held.get(flight.decode, 0) + 1
             victim = max(sorted(held), key=lambda n: held[n])
             ray.kill(client.decodes[victim], no_restart=True)
-            killed_at = time.perf_counter()
+            killed_at = time.monotonic()  # the clock of `PDClient.replaced_at`
             progress(f"  killed {victim} holding {held[victim]} of {len(reqs)} streams")
-        if killed_at is not None and replaced_at is None and client.num_replaced > replaced_before:
-            replaced_at = time.perf_counter()
         await asyncio.sleep(0.005)
     await tasks
-    deadline = time.perf_counter() + 240  # a replacement still starting when every stream had ended
-    while killed_at is not None and replaced_at is None and client.replacing and time.perf_counter() < deadline:
-        await asyncio.sleep(0.05)
-        if client.num_replaced > replaced_before:
-            replaced_at = time.perf_counter()
     if kill_after is not None and killed_at is None:
         raise RuntimeError("the kill never came: a stream ended (or failed) before every stream had "
                            f"{kill_after} tokens: {[(len(r.token_ids), r.error) for r in runs.values()]}")
-    return {"runs": runs, "replace_s": None if replaced_at is None or killed_at is None else replaced_at - killed_at}
+    await asyncio.gather(*client.replacing.values())  # one still starting when every stream had ended
+    replaced = killed_at is not None and client.num_replaced > replaced_before
+    return {"runs": runs, "replace_s": client.replaced_at - killed_at if replaced else None}
 
 
 async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode: int, replace_dead: bool,

@@ -138,7 +138,7 @@ class PrefixCachePool:
             # A store that fails again after rejoining waits longer each time (it may answer a
             # probe yet time out on real work).
             strikes = self._strikes[store_id] = self._strikes.get(store_id, 0) + 1
-            wait_s = min(MAX_RETRY_S, self.retry_s * 2 ** (strikes - 1))
+            wait_s = self._wait_s(strikes)
             self._failed[store_id] = _Dropped(handle, time.monotonic() + wait_s, strikes)
         logger.warning("prefix-cache store %s failed (%s: %s); it leaves the ring, its keys are misses; "
                        "probed again in %g s", store_id, type(error).__name__, error, wait_s)
@@ -178,9 +178,13 @@ class PrefixCachePool:
             logger.warning("prefix-cache store %s answers again; back on the ring (empty if it restarted)", store_id)
 
     def _probe_failed(self, dropped: _Dropped, now: float) -> None:
-        dropped.probe = None
-        dropped.probe_at = now + min(MAX_RETRY_S, self.retry_s * 2 ** dropped.num_failures)
         dropped.num_failures += 1
+        dropped.probe = None
+        dropped.probe_at = now + self._wait_s(dropped.num_failures)
+
+    def _wait_s(self, num_failures: int) -> float:
+        """Before the next probe after `num_failures` failures: `retry_s`, doubling, at most `MAX_RETRY_S`."""
+        return min(MAX_RETRY_S, self.retry_s * 2 ** (num_failures - 1))
 
     # --- fan-out with one deadline --------------------------------------------------------
 

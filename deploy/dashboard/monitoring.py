@@ -41,11 +41,11 @@ class MeteredBackend:
     from the inner backend's timeline once its stream ends (finished, aborted or failed), each
     refusal by reason. Everything else is the inner backend's (`timeline`, `timelines`, `client`)."""
 
-    def __init__(self, inner: Any, metrics: RequestMetrics,
-                 slo_report: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, inner: Any, metrics: RequestMetrics) -> None:
         self.inner = inner
         self.metrics = metrics
-        self.slo_report = slo_report
+        # Set by `Monitoring` once its dashboard, which reads this backend's timelines, exists.
+        self.slo_report: Callable[[], dict[str, Any]] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
