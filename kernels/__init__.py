@@ -9,10 +9,10 @@ from kernels.dispatch import (
     dequantize_fp8, dequantize_int8, dequantize_int8_kv, paged_attention, quantize_fp8, quantize_int8,
     quantize_int8_kv, rms_norm, write_kv,
 )
-from kernels.linear import Linear, linear
+from kernels.linear import Linear, bound_onednn_caches, linear
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
-    "AttentionMetadata", "Linear", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "linear", "paged_attention",
+    "AttentionMetadata", "Linear", "bound_onednn_caches", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "linear", "paged_attention",
     "quantize_fp8", "quantize_int8", "quantize_int8_kv", "rms_norm", "write_kv",
 ]

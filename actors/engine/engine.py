@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import Sampler, SamplingParams, SamplingState
 from actors.engine.scheduler import ScheduledBatch, Scheduler
 from actors.engine.tokenizer import Tokenizer
+from kernels import bound_onednn_caches
 
 logger = logging.getLogger(__name__)
 STEP_RECORDS_KEPT = 1024  # steps not taken by a reader (`take_step_records`) fall off the end
@@ -61,6 +62,7 @@ class PreparedStep:
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None) -> None:
         self.cfg = cfg or EngineConfig()
+        bound_onednn_caches()  # before the first matmul of this process reads the capacities
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
         dtype = parse_dtype(self.cfg.dtype)

@@ -7,7 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear
-from kernels.linear import SPLIT_MAX_ROWS, Linear, _split_bmm_applies, packing_available, prepack
+from kernels.linear import (
+    ONEDNN_CACHE_ENTRIES,
+    ONEDNN_CACHE_VARIABLES,
+    SPLIT_MAX_ROWS,
+    Linear,
+    _split_bmm_applies,
+    bound_onednn_caches,
+    packing_available,
+    prepack,
+)
+
+MIB = 1 << 20
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
@@ -97,3 +108,74 @@ def test_engine_model_packs_every_projection_and_load_weights_unpacks(tmp_path) 
     assert net.pack_weights() == (len(linears) if packing_available() else 0)
     net.load_weights(loaded.tensors)
     assert all(m.packed is None for m in linears)
+
+
+# Runs in a fresh interpreter: both caches read their capacity at the process's first oneDNN call.
+_CACHE_PROBE = """
+import ctypes, json, os, sys
+import torch
+from kernels.linear import bound_onednn_caches, linear, prepack
+if sys.argv[1] == "engine":  # an engine bounds them as it starts
+    import tempfile
+    from actors.engine.engine import Engine
+    from actors.engine.tiny_model import write_tiny_model
+    Engine.from_pretrained(write_tiny_model(tempfile.mkdtemp()))
+elif sys.argv[1] != "unset":
+    bound_onednn_caches(int(sys.argv[1]))
+torch.set_num_threads(1)
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def in_use():
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+weight = torch.randn(1536, 576, dtype=torch.bfloat16)
+packed = prepack(weight)
+linear(torch.randn(1, 576, dtype=torch.bfloat16), weight, None, packed)
+before = in_use()
+for rows in range(64, 264):  # a new row count per call, as prefill steps are
+    linear(torch.randn(rows, 576, dtype=torch.bfloat16), weight, None, packed)
+print(json.dumps({"growth": in_use() - before,
+                  "env": {k: os.environ.get(k) for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}}))
+"""
+
+
+def _cache_probe(entries: str, env: dict[str, str]) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    clean = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHE_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE, entries], env={**clean, **env}, check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="needs glibc's mallinfo2")
+def test_bounded_onednn_caches_stop_growing_with_new_shapes() -> None:
+    """200 row counts never seen before: with oneDNN's defaults every one stays cached with its
+    scratch memory; bounded at 8 entries, only the last few do; an engine bounds them at 128."""
+    unbounded = _cache_probe("unset", {})
+    bounded = _cache_probe("8", {})
+    assert bounded["env"] == {name: "8" for name in ONEDNN_CACHE_VARIABLES}
+    assert unbounded["growth"] > 50 * MIB, unbounded
+    assert bounded["growth"] < unbounded["growth"] / 4, (bounded, unbounded)
+    engine = _cache_probe("engine", {})
+    assert engine["env"] == {name: str(ONEDNN_CACHE_ENTRIES) for name in ONEDNN_CACHE_VARIABLES}
+    assert engine["growth"] < unbounded["growth"] * 0.75, (engine, unbounded)
+    # an operator's own setting wins over the engine's default
+    assert _cache_probe("8", {"LRU_CACHE_CAPACITY": "1024"})["env"]["LRU_CACHE_CAPACITY"] == "1024"
+
+
+def test_bound_onednn_caches_keeps_set_values_and_rejects_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # so that teardown restores what was there
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert bound_onednn_caches(64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "512"}
+    with pytest.raises(ValueError, match=">= 1"):
+        bound_onednn_caches(0)
