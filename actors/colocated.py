@@ -9,6 +9,7 @@ uses for requests that need no handoff (1-token prompts, resumes from a journal)
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 
 from actors.engine.async_engine import AsyncEngine
@@ -23,7 +24,20 @@ def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserv
     return WorkerLoad(name=name, kind=kind, num_running=s.num_running, num_waiting=s.num_waiting,
                       num_reserved=num_reserved, num_free_blocks=s.num_blocks_free,
                       num_total_blocks=s.num_blocks_total, last_step_s=s.last_step_s,
-                      healthy=async_engine.is_alive)
+                      healthy=async_engine.is_alive, rss_bytes=process_rss_bytes())
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process (Linux `/proc/self/statm`, one read of a few bytes); 0 where
+    there is no such file. Cheap enough for every load poll."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class ColocatedWorker(ReportsTelemetry):

@@ -126,6 +126,7 @@ class WorkerLoad:
     num_total_blocks: int
     last_step_s: float
     healthy: bool
+    rss_bytes: int = 0  # resident memory of the worker's process; 0 where unknown
 
     @property
     def num_active(self) -> int:

@@ -20,6 +20,7 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest, WorkerLoad
+from actors.worker_config import MIB
 from actors.pd_client import NoCapacity, PDClient
 from actors.placement import NoWorkers, PlacementChoice, PlacementRefused
 from deploy.openai.backend import Refused
@@ -99,7 +100,8 @@ class ClusterBackend:
     async def health(self) -> dict[str, Any]:
         loads = await self.client.loads()
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
-                          "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks}
+                          "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks,
+                          "rss_mib": round(w.rss_bytes / MIB) or None}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         down = sorted(name for name, w in workers.items() if not w["healthy"])

@@ -76,6 +76,7 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_worker_healthy", _G, "1 if the worker answered its last load poll healthy, else 0.", ("worker", "kind")),
     ("ferry_worker_step_ms", _G, "Duration of the worker's last engine step (ms).", ("worker", "kind")),
     ("ferry_kv_blocks", _G, "KV cache blocks of a worker by state: used, free.", ("worker", "kind", "state")),
+    ("ferry_worker_rss_bytes", _G, "Resident memory of the worker's process (bytes).", ("worker", "kind")),
     ("ferry_prefix_hbm_lookup_tokens", _C, "Prompt tokens looked up in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_hbm_hit_tokens", _C, "Prompt tokens found in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_pool_lookups", _C, "Pool block lookups by answering tier: dram, disk, miss.", ("tier",)),
@@ -228,6 +229,8 @@ class ClusterMetricsExporter:
             m["ferry_worker_step_ms"].set(w.last_step_s * 1e3, tags)
             m["ferry_kv_blocks"].set(w.num_total_blocks - w.num_free_blocks, {**tags, "state": "used"})
             m["ferry_kv_blocks"].set(w.num_free_blocks, {**tags, "state": "free"})
+            if w.rss_bytes:
+                m["ferry_worker_rss_bytes"].set(w.rss_bytes, tags)
         for name, e in snap.engines.items():
             self._add_total("ferry_prefix_hbm_lookup_tokens", e.num_prefix_queried_tokens, {"worker": name})
             self._add_total("ferry_prefix_hbm_hit_tokens", e.num_prefix_hit_tokens, {"worker": name})

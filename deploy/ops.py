@@ -46,6 +46,7 @@ class WorkerLoad:
     waiting: int | None
     free_blocks: int | None
     total_blocks: int | None
+    rss_mib: int | None = None
 
     @property
     def used_blocks(self) -> int | None:
@@ -80,11 +81,12 @@ def workers_of(health: dict[str, Any]) -> list[WorkerLoad]:
     reports one engine's counters at the top level."""
     if isinstance(health.get("workers"), dict):
         return [WorkerLoad(name, str(w.get("kind", "?")), w.get("healthy"), w.get("running"), w.get("waiting"),
-                           w.get("free_blocks"), w.get("total_blocks"))
+                           w.get("free_blocks"), w.get("total_blocks"), w.get("rss_mib"))
                 for name, w in sorted(health["workers"].items())]
     if "num_running" in health:
         return [WorkerLoad("engine", "colocated", health.get("healthy"), health.get("num_running"),
-                           health.get("num_waiting"), health.get("num_blocks_free"), health.get("num_blocks_total"))]
+                           health.get("num_waiting"), health.get("num_blocks_free"), health.get("num_blocks_total"),
+                           health.get("rss_mib"))]
     return []
 
 
@@ -135,12 +137,12 @@ def render_status(url: str, health: dict[str, Any]) -> str:
         why += f" (draining: {health.get('in_flight', 0)} request(s) in flight)"
     model = f", model {health['model']}" if health.get("model") else ""
     out = [f"ferry at {url}: {state}{why}{model}, {len(workers)} worker(s)"]
-    rows = [("WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV USE")]
+    rows = [("WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV USE", "MEM MIB")]
     for w in workers:
         use = f"{w.used_blocks / w.total_blocks:.0%}" if w.used_blocks is not None and w.total_blocks else "-"
         health_cell = "-" if w.healthy is None else ("ok" if w.healthy else "DOWN")
         rows.append((w.name, w.kind, health_cell, _cell(w.running), _cell(w.waiting), _cell(w.used_blocks),
-                     _cell(w.free_blocks), _cell(w.total_blocks), use))
+                     _cell(w.free_blocks), _cell(w.total_blocks), use, _cell(w.rss_mib)))
     if len(rows) > 1:
         out += _table(rows, num_left=3)
     return "\n".join(out + slo_lines(health.get("slo")))

@@ -62,7 +62,7 @@ svg text { fill:var(--muted); font-size:11px; font-family:system-ui, sans-serif;
 </section>
 <section class="wide tbl"><h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>kind</th><th>running</th><th>waiting</th><th>reserved</th>
-<th>KV blocks used</th><th>KV use</th><th>last step</th></tr></thead><tbody></tbody></table></section>
+<th>KV blocks used</th><th>KV use</th><th>last step</th><th>memory</th></tr></thead><tbody></tbody></table></section>
 <section class="tbl"><h2>Prefix cache hit rate by tier</h2>
 <table id="tiers"><thead><tr><th>tier</th><th>hits</th><th>lookups</th><th>hit rate</th><th></th></tr></thead>
 <tbody></tbody></table></section>
@@ -139,6 +139,7 @@ function renderWorkers(workers) {
     const use = w.kv_blocks_total ? w.kv_blocks_used / w.kv_blocks_total : 0;
     cell(tr, "kv_use", "").appendChild(meter(use, use > 0.9 ? "var(--bad)" : null));
     cell(tr, "last_step_ms", fmtMs(w.last_step_ms));
+    cell(tr, "rss_mib", w.rss_mib == null ? "-" : w.rss_mib + " MiB");
     return tr;
   }));
 }

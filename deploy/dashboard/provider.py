@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from actors.colocated import process_rss_bytes
 from actors.engine.output import EngineStats
 from actors.messages import WorkerKind, WorkerLoad
 from deploy.dashboard.model import (DashboardData, RequestBar, SloTargets, TenantFigures, Throughput,
@@ -113,8 +114,9 @@ class BackendTimelines:
 
 
 def load_of_engine(name: str, stats: EngineStats, *, healthy: bool, kind: WorkerKind = "colocated") -> WorkerLoad:
+    """The load of an engine running in this process (its memory is this process's)."""
     return WorkerLoad(name, kind, stats.num_running, stats.num_waiting, 0, stats.num_blocks_free,
-                      stats.num_blocks_total, stats.last_step_s, healthy)
+                      stats.num_blocks_total, stats.last_step_s, healthy, process_rss_bytes())
 
 
 class EngineSource:
@@ -271,7 +273,8 @@ class TimelineDashboard:
 
 def _worker(w: WorkerLoad) -> WorkerFigures:
     return WorkerFigures(w.name, w.kind, w.healthy, w.num_running, w.num_waiting, w.num_reserved,
-                         w.num_total_blocks - w.num_free_blocks, w.num_total_blocks, w.last_step_s * 1e3)
+                         w.num_total_blocks - w.num_free_blocks, w.num_total_blocks, w.last_step_s * 1e3,
+                         round(w.rss_bytes / (1 << 20)) if w.rss_bytes else None)
 
 
 def _bar(r: RequestRecord) -> RequestBar:

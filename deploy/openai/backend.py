@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
+from actors.colocated import process_rss_bytes
 from actors.engine.tokenizer import Tokenizer
 from deploy.openai.timeline import TimelineRecorder
 
@@ -150,6 +151,7 @@ class EngineBackend:
             "num_waiting": stats.num_waiting,
             "num_blocks_total": stats.num_blocks_total,
             "num_blocks_free": stats.num_blocks_free,
+            "rss_mib": round(process_rss_bytes() / (1 << 20)) or None,  # this process: the engine runs in it
         }
 
     def timeline(self, request_id: str) -> dict[str, Any] | None:

@@ -10,8 +10,8 @@ from actors.messages import WorkerLoad
 from deploy.cluster_backend import ClusterBackend, can_serve
 
 
-def load(name: str, kind: str, healthy: bool = True) -> WorkerLoad:
-    return WorkerLoad(name, kind, 1, 0, 0, 90, 100, 0.01, healthy)  # type: ignore[arg-type]
+def load(name: str, kind: str, healthy: bool = True, rss_bytes: int = 0) -> WorkerLoad:
+    return WorkerLoad(name, kind, 1, 0, 0, 90, 100, 0.01, healthy, rss_bytes)  # type: ignore[arg-type]
 
 
 class Client:
@@ -45,3 +45,9 @@ def test_no_healthy_worker_of_a_needed_kind_is_unhealthy() -> None:
     assert all_up["healthy"] is True and "degraded" not in all_up
     assert can_serve([load("c0", "colocated", False), load("c1", "colocated")])  # no prefill workers needed
     assert not can_serve([load("p0", "prefill")])
+
+
+def test_each_worker_reports_its_resident_memory_when_known() -> None:
+    report = health([load("p0", "prefill", rss_bytes=1500 << 20), load("d0", "decode")])
+    assert report["workers"]["p0"]["rss_mib"] == 1500
+    assert report["workers"]["d0"]["rss_mib"] is None  # a load that did not say (0): unknown, not zero

@@ -59,7 +59,7 @@ class Timelines:
 
 class Loads:
     async def loads(self) -> Mapping[str, WorkerLoad]:
-        return {"d0": WorkerLoad("d0", "decode", 3, 1, 2, 40, 100, 0.012, True),
+        return {"d0": WorkerLoad("d0", "decode", 3, 1, 2, 40, 100, 0.012, True, 700 << 20),
                 "p0": WorkerLoad("p0", "prefill", 1, 4, 0, 90, 100, 0.050, False)}
 
 
@@ -134,6 +134,7 @@ def test_dashboard_figures_over_the_window() -> None:
     assert (tp.requests_per_s, tp.output_tokens_per_s) == (0.05, 8 / 60)
     assert [(w.name, w.kv_blocks_used, w.healthy) for w in data.workers] == [("d0", 60, True), ("p0", 10, False)]
     assert data.workers[0].last_step_ms == 12.0
+    assert (data.workers[0].rss_mib, data.workers[1].rss_mib) == (700, None)
     assert [(t.tier, t.hits, t.lookups, t.hit_rate) for t in data.tiers] == [("hbm", 16, 62, 16 / 62)]
     assert data.refusals == {"tenant_over_budget": 2}
     assert [b.request_id for b in data.recent] == ["r6", "r4", "r3"]

@@ -19,7 +19,7 @@ CLUSTER_HEALTH = {
         "prefill-0": {"kind": "prefill", "healthy": True, "running": 2, "waiting": 5, "free_blocks": 100,
                       "total_blocks": 400},
         "decode-0": {"kind": "decode", "healthy": True, "running": 7, "waiting": 0, "free_blocks": 300,
-                     "total_blocks": 400},
+                     "total_blocks": 400, "rss_mib": 1391},
     },
 }
 
@@ -29,8 +29,10 @@ def test_table_for_the_engine_backend(app: App, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"ferry at {app.base_url}: healthy, model tiny, 1 worker(s)"
     assert out[1].split() == ["WORKER", "KIND", "HEALTH", "RUNNING", "WAITING", "KV", "USED", "KV", "FREE", "KV",
-                              "TOTAL", "KV", "USE"]
-    assert out[2].split() == ["engine", "colocated", "ok", "0", "0", "0", "128", "128", "0%"]
+                              "TOTAL", "KV", "USE", "MEM", "MIB"]
+    row = out[2].split()
+    assert row[:-1] == ["engine", "colocated", "ok", "0", "0", "0", "128", "128", "0%"]
+    assert int(row[-1]) > 50  # the server's own process: the engine runs in it
     assert out[3] == "SLO attainment: n/a (this server does not report it)"
 
 
@@ -49,8 +51,8 @@ def test_table_and_json_for_cluster_workers_with_slo(app: App, capsys: pytest.Ca
     assert ferry(["status", "--url", app.base_url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(": healthy, 2 worker(s)")
-    assert out[2].split() == ["decode-0", "decode", "ok", "7", "0", "100", "300", "400", "25%"]
-    assert out[3].split() == ["prefill-0", "prefill", "ok", "2", "5", "300", "100", "400", "75%"]
+    assert out[2].split() == ["decode-0", "decode", "ok", "7", "0", "100", "300", "400", "25%", "1391"]
+    assert out[3].split() == ["prefill-0", "prefill", "ok", "2", "5", "300", "100", "400", "75%", "-"]  # unknown
     assert out[4] == "SLO attainment over the last 60 s:"
     assert out[5].split() == ["TENANT", "TTFT", "SLO", "TPOT", "SLO", "DONE", "RUNNING", "MET", "P99", "TTFT",
                               "P99", "TPOT"]
@@ -64,7 +66,8 @@ def test_table_and_json_for_cluster_workers_with_slo(app: App, capsys: pytest.Ca
     doc = json.loads(capsys.readouterr().out)
     assert doc["healthy"] is True and doc["status_code"] == 200 and doc["slo"] == SLO_REPORT
     assert doc["workers"][0] == {"name": "decode-0", "kind": "decode", "healthy": True, "running": 7,
-                                 "waiting": 0, "free_blocks": 300, "total_blocks": 400, "used_blocks": 100}
+                                 "waiting": 0, "free_blocks": 300, "total_blocks": 400, "rss_mib": 1391,
+                                 "used_blocks": 100}
 
 
 def test_a_window_without_tenants_says_so(app: App, capsys: pytest.CaptureFixture[str]) -> None:
