@@ -24,8 +24,9 @@ from pathlib import Path
 from bench.loadgen.arrivals import synthetic_workload
 from bench.loadgen.client import ClientConfig, check_loopback, replay
 from bench.loadgen.metrics import Slo, summarize
-from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, launched, served_model
-from bench.loadgen.report import RatePoint, SystemResult, machine, plot, table, write_json, write_results_md
+from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, launched, served_model, worker_memory_mib
+from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, table, write_json,
+                                  write_results_md)
 from bench.loadgen.workload import (BenchRequest, assign_tenants, load_trace, rescale_rate, resolve_trace,
                                     scale_lengths)
 
@@ -131,9 +132,12 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         cfg = ClientConfig(url=url, model=model, max_concurrency=a.max_concurrency or a.parallel,
                            max_requests=a.num_requests, duration_s=a.duration, grace_s=a.grace,
                            salt=prompt_salt(a.seed, i))
+        before = worker_memory_mib(url)
         records, dur = asyncio.run(replay(cfg, reqs))
         s = summarize(records, dur, slos)
-        result.points.append(RatePoint.of(rate, s, records))
+        after = worker_memory_mib(url)
+        result.points.append(RatePoint.of(rate, s, records, {
+            w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}))
         print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
               f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms",
               file=sys.stderr, flush=True)
@@ -184,6 +188,9 @@ def run_bench(a: argparse.Namespace) -> int:
     pngs = plot(results, a.knee_attainment, out)
     notes = sys.stderr if a.json else sys.stdout
     print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment))
+    memory = memory_table(results)
+    if memory:
+        print("\nworker memory (resident MiB, from /health) before and after each rate:\n" + memory, file=notes)
     print(f"results: {out / 'results.json'}" + "".join(f"\nplot: {p}" for p in pngs), file=notes)
     if a.results_md:
         write_results_md(results, meta, a.knee_attainment, a.results_md, a.note)

@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx2
 import yaml
 
+from deploy.ops import Unreachable, fetch_health, workers_of
+
 log = logging.getLogger(__name__)
 PEER_DIR = Path(os.environ.get("FERRY_PEERS", Path.home() / ".cache" / "ferry" / "peers"))
 REPO = Path(__file__).resolve().parents[2]
@@ -173,6 +175,16 @@ def served_model(base: str) -> str | None:
         if r.status_code == 200 and (data := r.json().get("data")):
             return str(data[0]["id"])
     return None
+
+
+def worker_memory_mib(base: str) -> dict[str, int]:
+    """Resident MiB of each worker a ferry server's `/health` reports (the process, for the
+    in-process engine); {} from a server that reports none (llama.cpp) or does not answer."""
+    try:
+        _, health = fetch_health(base.rstrip("/").removesuffix("/v1"), None, timeout_s=5.0)
+    except Unreachable:
+        return {}
+    return {w.name: int(w.rss_mib) for w in workers_of(health) if isinstance(w.rss_mib, (int, float))}
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> str:

@@ -28,11 +28,14 @@ class RatePoint:
     summary: Summary
     ttft_s: list[float]
     e2el_s: list[float]
+    # worker -> resident MiB (before the rate, after it), from the server's /health; {} if it says none
+    memory_mib: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
 
     @staticmethod
-    def of(rate: float, summary: Summary, records: list[RequestRecord]) -> "RatePoint":
+    def of(rate: float, summary: Summary, records: list[RequestRecord],
+           memory_mib: dict[str, tuple[int | None, int | None]] | None = None) -> "RatePoint":
         ok = [r for r in records if r.success and r.chunk_s]
-        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok])
+        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok], memory_mib or {})
 
 
 @dataclass(slots=True)
@@ -73,9 +76,25 @@ def table(results: list[SystemResult], target: float) -> str:
     return format_table(head, rows)
 
 
+def memory_table(results: list[SystemResult]) -> str | None:
+    """Each worker's resident memory before and after each rate (servers whose /health reports it),
+    or None when no server did. A worker still growing at the end of a long rate is worth a look."""
+    rows: list[list[Any]] = []
+    for r in results:
+        for p in r.points:
+            for worker, (before, after) in sorted(p.memory_mib.items()):
+                change = after - before if before is not None and after is not None else None
+                rows.append([r.name, p.rate_rps, p.summary.num_sent, worker, before, after, change])
+    if not rows:
+        return None
+    return format_table(["system", "rate rps", "sent", "worker", "MiB before", "MiB after", "change MiB"], rows)
+
+
 def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) -> None:
     out = {"meta": meta, "systems": [{"name": r.name, "skipped": r.skipped, "points": [
-        {"rate_rps": p.rate_rps, **p.summary.to_dict()} for p in r.points]} for r in results]}
+        {"rate_rps": p.rate_rps, **p.summary.to_dict(),
+         "memory_mib": {w: {"before": b, "after": a} for w, (b, a) in p.memory_mib.items()}}
+        for p in r.points]} for r in results]}
     path.write_text(json.dumps(out, indent=1, default=str))
 
 
@@ -137,6 +156,10 @@ def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: 
         lines += ["## Every rate", "", "```", format_table(
             ["system", "rate rps", "sent", "ok", "goodput rps", "attain", "P99 TTFT ms", "P99 TPOT ms",
              "P99 ITL ms", "P99 E2E ms"], sweep), "```", ""]
+    memory = memory_table(results)
+    if memory:
+        lines += ["## Worker memory", "", "Resident MiB of each worker before and after each rate (from `/health`).",
+                  "", "```", memory, "```", ""]
     if skipped:
         lines += ["## Systems not measured", "", *skipped, ""]
     if notes:

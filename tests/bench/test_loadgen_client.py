@@ -15,6 +15,7 @@ from bench.loadgen.metrics import Slo, summarize
 from bench.loadgen.workload import BenchRequest
 
 SEEN: list[dict[str, object]] = []
+HEALTH = {"calls": 0, "on": False}  # /health answers like a ferry cluster only when "on"
 
 
 class _Fake(BaseHTTPRequestHandler):
@@ -33,6 +34,16 @@ class _Fake(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
 
     def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/health" and HEALTH["on"]:
+            HEALTH["calls"] += 1  # a worker that grows 10 MiB per look, and one that does not say
+            body = json.dumps({"healthy": True, "workers": {
+                "d0": {"kind": "decode", "healthy": True, "rss_mib": 1000 + 10 * HEALTH["calls"]},
+                "p0": {"kind": "prefill", "healthy": True}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         body = json.dumps({"object": "list", "data": [{"id": "served-name", "object": "model"}]}).encode()
         self.send_response(200 if self.path == "/v1/models" else 404)
         self.send_header("Content-Type", "application/json")
@@ -137,3 +148,33 @@ def test_json_prints_the_figures_of_results_json_on_stdout(server: str, tmp_path
     assert point["rate_rps"] == 3.0 and point["completed"] >= 1 and "goodput" in point
     written = next(tmp_path.glob("*/results.json"))
     assert json.loads(written.read_text()) == figures and f"results: {written}" in captured.err
+
+
+def test_worker_memory_before_and_after_each_rate_from_health(server: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from bench.loadgen.cli import run_bench
+
+    HEALTH.update(calls=0, on=True)
+    try:
+        assert run_bench(_args(tmp_path, "--url", server, "--sweep", "2,3")) == 0
+    finally:
+        HEALTH["on"] = False
+    out = capsys.readouterr().out
+    lines = out[out.index("worker memory"):].splitlines()
+    rows = [line.split() for line in lines[3:5]]
+    assert [(r[1], r[3], r[4], r[5], r[6]) for r in rows] == [("2.00", "d0", "1010", "1020", "10"),
+                                                              ("3.00", "d0", "1030", "1040", "10")]
+    points = json.loads(next(tmp_path.glob("*/results.json")).read_text())["systems"][0]["points"]
+    assert [p["memory_mib"] for p in points] == [{"d0": {"before": 1010, "after": 1020}},
+                                                 {"d0": {"before": 1030, "after": 1040}}]
+
+
+def test_a_server_without_ferry_health_reports_no_memory(server: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from bench.loadgen.cli import run_bench
+    from bench.loadgen.peers import worker_memory_mib
+
+    assert worker_memory_mib(server) == {}  # 404
+    assert worker_memory_mib("http://127.0.0.1:9") == {}  # nothing listening
+    assert run_bench(_args(tmp_path, "--url", server, "--rate", "3")) == 0
+    assert "worker memory" not in capsys.readouterr().out
