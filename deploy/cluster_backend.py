@@ -20,9 +20,9 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest, WorkerLoad
-from actors.worker_config import MIB
 from actors.pd_client import NoCapacity, PDClient
 from actors.placement import NoWorkers, PlacementChoice, PlacementRefused
+from actors.worker_config import MIB
 from deploy.openai.backend import Refused
 from deploy.openai.errors import ApiError
 from deploy.openai.timeline import TimelineRecorder

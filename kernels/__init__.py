@@ -13,6 +13,6 @@ from kernels.linear import Linear, bound_onednn_caches, linear
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
-    "AttentionMetadata", "Linear", "bound_onednn_caches", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv", "linear", "paged_attention",
-    "quantize_fp8", "quantize_int8", "quantize_int8_kv", "rms_norm", "write_kv",
+    "AttentionMetadata", "Linear", "bound_onednn_caches", "dequantize_fp8", "dequantize_int8", "dequantize_int8_kv",
+    "linear", "paged_attention", "quantize_fp8", "quantize_int8", "quantize_int8_kv", "rms_norm", "write_kv",
 ]
