@@ -113,6 +113,11 @@ class PrefillResult:
     finished_at: float  # wall clock
 
 
+def mib_or_none(num_bytes: int) -> int | None:
+    """Whole MiB for reports; None for 0, which means "not known" for a process's memory."""
+    return round(num_bytes / (1 << 20)) or None
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load as the scheduler sees it."""
@@ -127,6 +132,10 @@ class WorkerLoad:
     last_step_s: float
     healthy: bool
     rss_bytes: int = 0  # resident memory of the worker's process; 0 where unknown
+
+    @property
+    def rss_mib(self) -> int | None:
+        return mib_or_none(self.rss_bytes)
 
     @property
     def num_active(self) -> int:

@@ -22,7 +22,6 @@ from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest, WorkerLoad
 from actors.pd_client import NoCapacity, PDClient
 from actors.placement import NoWorkers, PlacementChoice, PlacementRefused
-from actors.worker_config import MIB
 from deploy.openai.backend import Refused
 from deploy.openai.errors import ApiError
 from deploy.openai.timeline import TimelineRecorder
@@ -101,7 +100,7 @@ class ClusterBackend:
         loads = await self.client.loads()
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
                           "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks,
-                          "rss_mib": round(w.rss_bytes / MIB) or None}
+                          "rss_mib": w.rss_mib}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         down = sorted(name for name, w in workers.items() if not w["healthy"])

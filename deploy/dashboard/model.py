@@ -58,7 +58,7 @@ class WorkerFigures:
     kv_blocks_used: int
     kv_blocks_total: int
     last_step_ms: float
-    rss_mib: float | None = None  # the worker process's resident memory
+    rss_mib: int | None = None  # the worker process's resident memory
 
 
 @dataclass(frozen=True)

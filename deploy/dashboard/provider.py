@@ -274,7 +274,7 @@ class TimelineDashboard:
 def _worker(w: WorkerLoad) -> WorkerFigures:
     return WorkerFigures(w.name, w.kind, w.healthy, w.num_running, w.num_waiting, w.num_reserved,
                          w.num_total_blocks - w.num_free_blocks, w.num_total_blocks, w.last_step_s * 1e3,
-                         round(w.rss_bytes / (1 << 20)) if w.rss_bytes else None)
+                         w.rss_mib)
 
 
 def _bar(r: RequestRecord) -> RequestBar:

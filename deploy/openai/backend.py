@@ -19,6 +19,7 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.colocated import process_rss_bytes
 from actors.engine.tokenizer import Tokenizer
+from actors.messages import mib_or_none
 from deploy.openai.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class EngineBackend:
             "num_waiting": stats.num_waiting,
             "num_blocks_total": stats.num_blocks_total,
             "num_blocks_free": stats.num_blocks_free,
-            "rss_mib": round(process_rss_bytes() / (1 << 20)) or None,  # this process: the engine runs in it
+            "rss_mib": mib_or_none(process_rss_bytes()),  # this process: the engine runs in it
         }
 
     def timeline(self, request_id: str) -> dict[str, Any] | None:
