@@ -17,6 +17,13 @@ excluded from placement for good, and the request waits for its turn in a recove
 urgent first), then resumes on healthy workers from the tokens already streamed. The consumer
 sees one uninterrupted stream.
 
+Preemption (`preempt`, `resume`; the scheduler's orders, relayed by a `ScheduledPlacement`): a
+decoding batch request gives its decode row to more urgent work. Its row is aborted on the
+worker (blocks freed at once), the client's stream stays open, and the request waits for the
+scheduler to place it again; then it runs as a new attempt from the tokens already streamed,
+exactly like a recovery, so the client sees one stream with a pause. A scheduler that stays
+silent (down, or `RecoveryConfig.resume_wait_s` passed) leaves the placement to the local policy.
+
 Replacement: with a `replacer` (the deployment, `PDDeployment.replace`), every worker declared
 dead is replaced by a fresh actor of the same name, in the background, retried with backoff up to
 `RecoveryConfig.replace_attempts` times; the new handle takes the old one's place and the name
@@ -43,8 +50,8 @@ from actors.errors import NoCapacity, WorkerTimeout
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from actors.placement import (LeastLoaded, NoWorkers, Placement, PlacementChoice, PlacementRefused,
                               ScheduledPlacement)
-from actors.recovery import (DECODING, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator, StreamBroken,
-                             is_worker_failure)
+from actors.recovery import (DECODING, PREEMPTED, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator,
+                             StreamBroken, is_worker_failure)
 from actors.worker_config import ClientConfig
 
 logger = logging.getLogger(__name__)
@@ -99,6 +106,8 @@ class PDClient:
         self.replacer = replacer
         self.replacing: dict[str, asyncio.Task[None]] = {}
         self.num_replaced = 0
+        self.num_preempted = 0
+        self.num_resumed_locally = 0  # preempted requests the scheduler did not place in time
         self.replaced_at = float("-inf")  # time.monotonic() of the last replacement
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -130,6 +139,10 @@ class PDClient:
                         raise StreamBroken(f"{flight.decode} ended the stream of {req.request_id} early")
                     return
                 except Exception as e:
+                    if flight.phase == PREEMPTED:  # the row was taken on purpose: wait for a new one
+                        choice = await self._await_resume(flight)
+                        flight.next_attempt()
+                        continue
                     if not is_worker_failure(e, flight.attempt):
                         raise
                     dead = await self._after_failure(flight, e)
@@ -195,6 +208,58 @@ class PDClient:
                     await asyncio.sleep(min(0.25, deadline - now))
                 dead = frozenset()  # a retry: the dead workers' round has been planned
 
+    def preempt(self, request_id: str) -> bool | None:
+        """Stops `request_id`'s decode row now (its stream stays open; see the module notes).
+        True: stopped (now or before); False: it cannot be stopped now (its KV is still being
+        computed or moved, or it is between attempts) and keeps running; None: not in flight."""
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return None
+        if flight.phase == PREEMPTED:
+            return True
+        decode = flight.decode
+        if flight.phase != DECODING or decode is None or not flight.issued.is_set():
+            return False
+        worker_rid = flight.worker_request_id
+        flight.preempt()
+        self.num_preempted += 1
+        self.decodes[decode].abort.remote(worker_rid)  # the stream ends with the abort; blocks freed
+        logger.info("%s: preempted on %s after %d tokens", request_id, decode, len(flight.streamed))
+        return True
+
+    def resume(self, request_id: str, choice: PlacementChoice) -> bool:
+        """Where a preempted request runs next; False if it is not waiting (finished, gone, or
+        already placed again)."""
+        flight = self.flights.get(request_id)
+        if flight is None or flight.resume_at is None or flight.resume_at.done():
+            return False
+        flight.resume_at.set_result(choice)
+        return True
+
+    async def _await_resume(self, flight: InFlight) -> PlacementChoice:
+        """The placement of a preempted request: the scheduler's (`resume`), or the local
+        policy's when the scheduler is unreachable or has not answered in `resume_wait_s`."""
+        assert flight.resume_at is not None
+        deadline = time.monotonic() + self.recovery_cfg.resume_wait_s
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(flight.resume_at), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            if self.scheduled is not None and self.scheduled.available and time.monotonic() < deadline:
+                continue
+            loads = await self.loads()
+            try:
+                choice = self.local_placement.place(flight.resume_request(), [loads[n] for n in self.prefills],
+                                                    [loads[n] for n in self.decodes])
+            except NoWorkers:
+                continue  # a replacement may be starting; the scheduler may still answer
+            if not flight.resume_at.done():
+                flight.resume_at.set_result(choice)
+                self.num_resumed_locally += 1
+                logger.warning("%s: preempted and not placed again by the scheduler; resuming on %s",
+                               flight.request_id, choice.decodes[0])
+
     async def _attempt(self, flight: InFlight, choice: PlacementChoice) -> AsyncIterator[TokenEvent]:
         """One try at running `flight` where `choice` says; events are journaled as they pass."""
         req = flight.attempt_request()
@@ -236,6 +301,8 @@ class PDClient:
                     sched.on_stage(flight, "kv_transfer_done", time.time())
             async with contextlib.aclosing(self._follow(decode, rid, stream)) as events:
                 async for raw in events:
+                    if flight.phase == PREEMPTED:  # the abort may have raced the stream's start
+                        raise StreamBroken(f"{rid} was preempted")
                     event = flight.on_event(raw)
                     if event is None:  # a token sampled again whose text is not complete yet
                         continue
@@ -352,6 +419,7 @@ class PDClient:
         finally:
             if not finished:
                 self.decodes[decode].abort.remote(request_id)
+                _discard(stream)  # its last ref carries the abort's error: consumed, not logged
 
     async def _bounded(self, ref: Awaitable[T], timeout_s: float, what: str) -> T:
         try:

@@ -65,9 +65,15 @@ class Placement(Protocol):
 class FlightSource(Protocol):
     """What a scheduled placement may ask of its caller: the requests in flight (to rebuild a
     restarted scheduler), the workers' loads (its heartbeats) and their telemetry after the given
-    cursors (None: from scratch); workers that do not answer are left out."""
+    cursors (None: from scratch; workers that do not answer are left out), and to carry out the
+    scheduler's preemptions (`preempt`: True stopped, False cannot now, None not in flight;
+    `resume`: where a preempted request runs next)."""
 
     def in_flight(self) -> list["InFlight"]: ...
+
+    def preempt(self, request_id: str) -> bool | None: ...
+
+    def resume(self, request_id: str, choice: PlacementChoice) -> bool: ...
 
     async def loads(self) -> dict[str, WorkerLoad]: ...
 
@@ -82,7 +88,11 @@ class ScheduledPlacement(Protocol):
     - `recover(dead, flights, ...)` returns every given flight, most urgent first, each with
       where to resume it or the exception to fail it with;
     - the `on_*` notifications never block and never raise (they are batched);
-    - `attach` is called once by the caller that owns the flights."""
+    - `attach` is called once by the caller that owns the flights;
+    - `available` is False while the control plane is not answering."""
+
+    @property
+    def available(self) -> bool: ...
 
     def attach(self, source: FlightSource) -> None: ...
 

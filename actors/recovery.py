@@ -41,8 +41,9 @@ from transfer.transport import TransferError
 
 logger = logging.getLogger(__name__)
 
-# Phases of an attempt, as the caller sees them.
-PLACED, PREFILLING, DECODING = "placed", "prefilling", "decoding"
+# Phases of an attempt, as the caller sees them. PREEMPTED: its decode row was taken for more
+# urgent work; it holds no worker and waits to be placed again (`PDClient.preempt`).
+PLACED, PREFILLING, DECODING, PREEMPTED = "placed", "prefilling", "decoding", "preempted"
 
 
 class StreamBroken(DataPlaneError):
@@ -75,13 +76,14 @@ class RecoveryConfig:
     max_recoveries: int = 4  # worker failures per request; past it the failure reaches the caller
     retry_delay_s: float = 0.2  # before re-placing a request whose workers all look alive
     room_wait_s: float = 60.0  # a recovery that finds no decode worker with room retries this long
+    resume_wait_s: float = 600.0  # a preempted request waits this long for the scheduler, then is placed here
     replace_wait_s: float = 120.0  # a recovery with no healthy worker waits this long for a replacement
     replace_attempts: int = 3  # tries at starting a dead worker's replacement before giving up
     replace_backoff_s: float = 2.0  # before the second try; doubled for each further one
 
     def __post_init__(self) -> None:
         if min(self.gather_s, self.issue_timeout_s, self.probe_timeout_s, self.retry_delay_s, self.room_wait_s,
-               self.replace_wait_s, self.replace_backoff_s) < 0:
+               self.resume_wait_s, self.replace_wait_s, self.replace_backoff_s) < 0:
             raise ValueError("recovery timeouts must be >= 0")
         if self.max_recoveries < 0 or self.replace_attempts < 0:
             raise ValueError("max_recoveries and replace_attempts must be >= 0")
@@ -106,6 +108,8 @@ class InFlight:
     num_room_waits: int = 0  # recovery attempts that found no room
     room_deadline: float | None = None  # monotonic; set by the first of those
     emitted_tokens: int = 0  # leading tokens of `streamed` whose text has gone out
+    num_preemptions: int = 0
+    resume_at: asyncio.Future[PlacementChoice] | None = None  # while preempted: where it runs next
     _text_base: str = ""
     _replay: list[int] = field(default_factory=list)  # streamed tokens the attempt samples again
 
@@ -144,6 +148,13 @@ class InFlight:
 
     def place(self, prefill: str | None, decode: str, phase: str) -> None:
         self.prefill, self.decode, self.phase = prefill, decode, phase
+        self.resume_at = None
+
+    def preempt(self) -> None:
+        """Leave the workers (the caller aborts the row): wait for `resume_at`."""
+        self.prefill, self.decode, self.phase = None, None, PREEMPTED
+        self.resume_at = asyncio.get_running_loop().create_future()
+        self.num_preemptions += 1
 
     def mark_issued(self) -> None:
         self.issued_at = time.time()

@@ -11,14 +11,14 @@ from __future__ import annotations
 from actors.messages import GenerationRequest, Telemetry, TelemetryCursor
 from actors.messages import WorkerLoad as ActorWorkerLoad
 from actors.placement import PlacementRefused
-from actors.recovery import DECODING, PREFILLING, InFlight
+from actors.recovery import DECODING, PREEMPTED, PREFILLING, InFlight
 from cluster.admission import Refusal
 from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, TenantId, WorkerKind, WorkerLoad,
                                  WorkerName, WorkerTelemetry)
 from cluster.flights import FlightState
 from cluster.journal import Phase
 
-_PHASES = {PREFILLING: Phase.PREFILLING, DECODING: Phase.DECODING}
+_PHASES = {PREFILLING: Phase.PREFILLING, DECODING: Phase.DECODING, PREEMPTED: Phase.PREEMPTED}
 
 
 def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerLoad:

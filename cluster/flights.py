@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.descriptors import RequestDesc, RequestId, WorkerName
 from cluster.journal import Phase
+from cluster.placement import Placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,13 @@ class ReportAck:
     given this incarnation its in-flight list yet (its events were not applied); `expired`:
     requests the scheduler cancelled for waiting past their queue timeout; `cursors`: per
     worker, (incarnation, step, cache change) the scheduler has applied of its telemetry, where
-    the next reads should start (`cluster.telemetry`)."""
+    the next reads should start (`cluster.telemetry`).
+
+    Notices: orders for this ingress's requests that the scheduler decided on someone else's
+    call. `preempt`: batch rows to stop now (their decode row went to an interactive request);
+    `resume`: where preempted rows run again. They are numbered; `notice_seq` is the last one
+    included, and the ingress sends it back (`report(delivered=...)`) so each notice is
+    re-sent until the ingress has seen it (at least once; the ingress ignores repeats)."""
 
     incarnation: str
     needs_rebuild: bool
@@ -73,3 +80,6 @@ class ReportAck:
     num_in_flight: int
     expired: tuple[RequestId, ...] = field(default_factory=tuple)
     cursors: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    notice_seq: int = 0
+    preempt: tuple[RequestId, ...] = ()
+    resume: tuple[Placement, ...] = ()

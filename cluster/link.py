@@ -14,6 +14,14 @@ an acknowledgement says the actor does not know this ingress (it restarted), the
 the in-flight list (`rebuild`), which supersedes every event not yet applied. So requests never
 depend on the actor being up, and the actor's view is rebuilt from the ingress's truth.
 
+Preemption is live: the batch rows the scheduler evicts for an interactive request (this
+request's `Placement.preempt`, or a notice in a report acknowledgement when another ingress's
+request took them) are stopped through the caller (`FlightSource.preempt`); rows that cannot stop
+now (their KV is still on its way) are re-adopted, so the scheduler knows they still run. When the
+scheduler resumes a preempted request (a notice), the caller runs it where the placement says.
+Notices are numbered; each report says which ones this ingress has seen, so none is lost with an
+acknowledgement and none is acted on twice.
+
 Recoveries ask the actor for its plan (most urgent remaining SLO budget first); without it the
 same ordering (`Journal.recovery_plan`) is computed here from the tenants' SLOs.
 
@@ -39,7 +47,7 @@ from ray.exceptions import RayError
 from actors.handoff import prompt_block_hashes
 from actors.messages import GenerationRequest, TelemetryCursor, WorkerLoad
 from actors.placement import FlightSource, LeastLoaded, NoWorkers, PlacementChoice
-from actors.recovery import InFlight
+from actors.recovery import PREEMPTED, InFlight
 from cluster.adapters import (flight_state, refusal_error, request_desc, telemetry_cursor, worker_load,
                               worker_telemetry)
 from cluster.admission import Refusal
@@ -47,6 +55,7 @@ from cluster.config import SchedulerConfig
 from cluster.descriptors import RequestId, SloClass, WorkerName
 from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.journal import Journal, JournalEntry
+from cluster.placement import Placement
 from cluster.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
@@ -88,6 +97,9 @@ class LinkStats:
     num_rebuilds: int = 0
     num_rebuilt_requests: int = 0  # in-flight requests sent by the last rebuild
     num_dropped_batches: int = 0
+    num_preempted: int = 0  # rows stopped on the scheduler's order
+    num_not_preempted: int = 0  # rows the scheduler chose that could not stop (re-adopted)
+    num_resumed: int = 0  # preempted requests placed again by the scheduler
 
 
 class SchedulerPlacement:
@@ -116,6 +128,7 @@ class SchedulerPlacement:
         self._token_times: dict[str, tuple[int, list[float]]] = {}  # rid -> (index in _events, times)
         self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
         self._seq = itertools.count(1)
+        self._notices_seen: tuple[str, int] | None = None  # (incarnation, last notice acted on)
         self._down_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = asyncio.Event()
@@ -143,7 +156,8 @@ class SchedulerPlacement:
         if self.available:
             desc = request_desc(req, slo_class, self._hashes.get(req.request_id, ()))
             try:
-                out = await asyncio.wait_for(self.actor.submit.remote(desc, req.seed), self.cfg.admit_timeout_s)
+                out = await asyncio.wait_for(self.actor.submit.remote(desc, req.seed, self.cfg.client_id),
+                                             self.cfg.admit_timeout_s)
             except (RayError, asyncio.TimeoutError) as e:
                 self._mark_down(e)
             else:
@@ -152,8 +166,8 @@ class SchedulerPlacement:
                     raise refusal_error(out)
                 self.stats.num_admitted += 1
                 self._assigned[req.request_id] = (out.prefill_worker, out.decode_worker)
-                if out.preempt:  # the data plane cannot preempt: tell the scheduler they still run
-                    self._readopt(out.preempt)
+                if out.preempt:
+                    self._preempt(out.preempt)
                 return self._choice(req, out.prefill_worker, out.decode_worker, prefills, decodes,
                                     out.local_chunk_tokens)
         self.stats.num_fallback += 1
@@ -294,8 +308,41 @@ class SchedulerPlacement:
         flights = {f.request_id: f for f in (self._source.in_flight() if self._source else [])}
         for rid in rids:
             flight = flights.get(rid)
-            if flight is not None and flight.decode is not None:
+            if flight is not None and (flight.decode is not None or flight.phase == PREEMPTED):
                 self._push(FlightEvent(EventKind.ADOPT, rid, time.time(), state=self._state(flight)))
+
+    def _preempt(self, rids: Sequence[RequestId]) -> None:
+        """Stops the scheduler's victims that this ingress streams (others belong to other
+        ingresses, which hear of them in their acknowledgements)."""
+        running = []
+        for rid in rids:
+            stopped = self._source.preempt(rid) if self._source is not None else None
+            if stopped:
+                self.stats.num_preempted += 1
+                self._assigned.pop(rid, None)  # wherever it runs next is news unless the scheduler says so
+            elif stopped is False:
+                self.stats.num_not_preempted += 1
+                running.append(rid)
+        if running:  # tell the scheduler they still run
+            self._readopt(running)
+
+    def _resume(self, placements: Sequence[Placement], loads: dict[str, WorkerLoad]) -> None:
+        """Runs preempted requests where the scheduler placed them again."""
+        flights = {f.request_id: f for f in (self._source.in_flight() if self._source else [])}
+        prefills = [w for w in loads.values() if w.kind == "prefill"]
+        decodes = [w for w in loads.values() if w.kind == "decode"]
+        for p in placements:
+            flight = flights.get(p.request_id)
+            if flight is None or flight.phase != PREEMPTED:
+                continue  # finished or cancelled meanwhile (its event tells the scheduler)
+            try:
+                choice = self._choice(flight.resume_request(), p.prefill_worker, p.decode_worker, prefills, decodes)
+            except NoWorkers:
+                self._readopt([p.request_id])  # still preempted: the scheduler queues it again
+                continue
+            self._assigned[p.request_id] = (p.prefill_worker, p.decode_worker)
+            if self._source is not None and self._source.resume(p.request_id, choice):
+                self.stats.num_resumed += 1
 
     def _take_events(self) -> list[FlightEvent]:
         for rid in list(self._token_times):
@@ -352,7 +399,8 @@ class SchedulerPlacement:
             del self._pending[:drop]
         try:
             ack = await asyncio.wait_for(
-                self.actor.report.remote(self.cfg.client_id, list(self._pending), descs, telemetry),
+                self.actor.report.remote(self.cfg.client_id, list(self._pending), descs, telemetry,
+                                         self._notices_seen),
                 self.cfg.call_timeout_s)
         except (RayError, asyncio.TimeoutError) as e:
             self.stats.num_report_failures += 1
@@ -369,12 +417,19 @@ class SchedulerPlacement:
             self.stats.incarnation = ack.incarnation
         if ack.expired:
             logger.warning("scheduler expired queued requests %s", list(ack.expired))
+        if ack.notice_seq:
+            self._notices_seen = (ack.incarnation, ack.notice_seq)
+            if ack.preempt:
+                self._preempt(ack.preempt)
+            if ack.resume:
+                self._resume(ack.resume, loads)
         if ack.needs_rebuild:
             # Everything not applied is superseded by the states taken now, in the same step.
             self._pending.clear()
             self._take_events()
             # Requests still being admitted are left out: their submit journals them.
-            flights = [f for f in (self._source.in_flight() if self._source is not None else []) if f.decode]
+            flights = [f for f in (self._source.in_flight() if self._source is not None else [])
+                       if f.decode or f.phase == PREEMPTED]
             states = [self._state(f) for f in flights]
             self._assigned = {f.request_id: (f.prefill, f.decode) for f in flights if f.decode is not None}
             try:

@@ -81,7 +81,10 @@ class PlacementConfig:
     whenever that gives an earlier first token than the prefill workers; at most
     `max_local_chunk_tokens` per step (also bounded by the engine's own step budget; a chunk is
     never smaller than one hash block). The placement carries the chunk size it was predicted with
-    (`Placement.local_chunk_tokens`), and the decode engine prefills in chunks of that size."""
+    (`Placement.local_chunk_tokens`), and the decode engine prefills in chunks of that size.
+    `max_num_seqs`: decode rows per worker (the engines' own limit). `preempt_batch`: an
+    interactive request that fits nowhere may take the decode rows of running batch-class
+    requests (they resume when a row frees); off, it waits like any other."""
 
     hash_block_size: int = 16
     pool_fetch_s_per_block: float = 0.0
@@ -90,6 +93,7 @@ class PlacementConfig:
     max_num_seqs: int = 1024
     local_prefill: bool = False
     max_local_chunk_tokens: int = 8192
+    preempt_batch: bool = True
 
     def __post_init__(self) -> None:
         if self.hash_block_size < 1 or self.pool_fetch_s_per_block < 0:
@@ -214,15 +218,18 @@ class PlacementPolicy:
 
     def choose_decode(self, tpot_s: float | None, interactive: bool, total_tokens: int, context_tokens: int,
                       expected_output: int, workers: list[WorkerView],
-                      feasible: list[Fit] | None = None) -> DecodeChoice | None:
+                      feasible: list[Fit] | None = None, count_committed: bool = False) -> DecodeChoice | None:
         """Best decode worker for a request that will hold `total_tokens` of KV (context plus the
         output still expected) with `context_tokens` of context now; `tpot_s` is its TPOT target
-        (None for batch work). Workers the row fits now are appended to `feasible` if given."""
+        (None for batch work). Workers the row fits now are appended to `feasible` if given.
+        `count_committed`: rows promised to requests still prefilling count as taken (a row is
+        free only if nobody placed there will need it)."""
         safety = self.cfg.decode_tpot_safety
         # Candidates kept as (worker, step) tuples; one DecodeChoice is built at the end.
         best, best_head, best_step = None, -math.inf, 0.0
         fallback, fallback_wait, fallback_step = None, math.inf, 0.0
         victim, victim_head, victim_step, victim_n = None, -math.inf, 0.0, 0
+        may_preempt = interactive and self.cfg.preempt_batch
         min_step = self.models.prior.min_step_s
         for w in workers:
             t = w.model.theta  # inlined step-time model: this loop is the hot path
@@ -233,12 +240,12 @@ class PlacementPolicy:
             if ctx is None:
                 ctx = w.active_context_tokens / w.num_active if w.num_active else float(context_tokens)
             per_row = t[3] * 1e-2 + t[4] * ctx * 1e-5
-            rows = w.num_active + 1
+            rows = w.num_active + 1 + (w.num_committed if count_committed else 0)
             # Rows fit iff the step with one more row stays within the tightest target (the
             # batch cap, `batch_cap`, without solving for it); a lone row always fits.
             rows_ok = rows <= w.max_num_seqs and (
                 tight is None or rows == 1 or t[0] + per_row * rows <= safety * tight)
-            step = t[0] + per_row * (rows + w.num_committed)
+            step = t[0] + per_row * (w.num_active + 1 + w.num_committed)
             if step < min_step:
                 step = min_step
             head = (tight if tight is not None else 0.0) - step
@@ -251,7 +258,7 @@ class PlacementPolicy:
                 continue
             cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight, w.max_num_seqs)
             excess = max(1, rows - cap)
-            if interactive and len(w.victims) >= excess and head > victim_head:
+            if may_preempt and len(w.victims) >= excess and head > victim_head:
                 # After evicting `excess` batch rows the batch is back within the cap.
                 victim, victim_head, victim_n = w, head, excess
                 victim_step = max(min_step, step - per_row * excess)

@@ -77,7 +77,9 @@ def recover_entry(sched: "GlobalScheduler", entry: JournalEntry, now: float,
 
 def resume_preempted(sched: "GlobalScheduler", now: float) -> list[Placement]:
     """Place preempted batch requests again, most urgent first, while a decode row is free
-    without preempting anyone (batch work never preempts)."""
+    without preempting anyone (batch work never preempts); rows promised to requests still
+    prefilling are not free (else the row just taken for an interactive request goes straight
+    back to its victim)."""
     resumed: list[Placement] = []
     queue = sched._preempted
     while queue:
@@ -93,7 +95,8 @@ def resume_preempted(sched: "GlobalScheduler", now: float) -> list[Placement]:
                                                  sched.cfg.placement.default_output_tokens)
         remaining = max(1, expected - entry.num_output_tokens)
         n = entry.desc.num_prompt_tokens + entry.num_output_tokens
-        choice = sched.policy.choose_decode(None, False, n + remaining, n, remaining, sched.workers.decode)
+        choice = sched.policy.choose_decode(None, False, n + remaining, n, remaining, sched.workers.decode,
+                                            count_committed=True)
         if choice is None or not choice.feasible:
             break  # the most urgent one cannot run yet; the others, less urgent, wait behind it
         queue.pop()
@@ -115,10 +118,15 @@ def preempt(sched: "GlobalScheduler", rid: RequestId, now: float) -> None:
         return
     sched.ledger.close(rid)
     sched.journal.move(rid, None, None, Phase.PREEMPTED)
-    sched._preempted.push(rid, priority_key(entry.slo_class, now + entry.remaining_budget_s(now), 0.0,
-                                            next(sched._seq)))
+    queue_preempted(sched, entry, now)
     sched.timelines.stamp(rid, Stage.PREEMPTED, now)
     sched.counters.num_preempted += 1
+
+
+def queue_preempted(sched: "GlobalScheduler", entry: JournalEntry, now: float) -> None:
+    """Put a preempted request in the resumption queue, most urgent remaining budget first."""
+    sched._preempted.push(entry.request_id, priority_key(entry.slo_class, now + entry.remaining_budget_s(now), 0.0,
+                                                         next(sched._seq)))
 
 
 def expire_queued(sched: "GlobalScheduler", now: float) -> list[Refusal]:

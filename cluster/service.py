@@ -2,10 +2,11 @@
 
 Mental model: a plain class (Ray-free, torch-free) that `cluster/actor.py` wraps in three lines.
 The ingress calls
-    submit(desc, seed)                   -> Placement | Refusal      once per new request
-    report(client, batches, loads, telemetry) -> ReportAck           every ~100 ms: heartbeats
+    submit(desc, seed, client)           -> Placement | Refusal      once per new request
+    report(client, batches, loads, telemetry, delivered) -> ReportAck  every ~100 ms: heartbeats
                                             (worker loads), batched events, the workers' step
-                                            times and prefix changes, and restart detection
+                                            times and prefix changes, restart detection, and
+                                            the notices for this ingress (below)
     recover(client, dead, states)        -> [Placement | Refusal]    its requests that lost a
                                             worker, most urgent remaining SLO budget first
     rebuild(client, states, loads)       after a restart, when an ack asks for it
@@ -13,6 +14,14 @@ The scheduler's clock is the wall clock: request arrival and token times come fr
 processes, and wall clock is what they share. The service keeps no durable state: a restarted
 actor starts empty, learns workers from the next reports and requests from each ingress's
 `rebuild`, re-charging each request where it runs (`adopt`), without re-placing it.
+
+Preemption crosses ingresses: an interactive request admitted through one ingress may take the
+decode row of a batch request streamed by another. The service remembers which ingress streams
+each request (its submit, or the events and states it reports) and queues, per ingress, numbered
+notices: "stop these rows" (`ReportAck.preempt`; the submitting ingress also gets its own victims
+in `Placement.preempt` at once) and "run this preempted request here" (`ReportAck.resume`, from
+`GlobalScheduler.poll`). A notice is re-sent in every acknowledgement until the ingress reports
+having seen it (`delivered`), so a lost acknowledgement loses nothing.
 
 Every method runs to completion without awaiting, so the scheduler, which is not thread-safe,
 needs nothing more than the actor's one-call-at-a-time execution.
@@ -61,6 +70,8 @@ class ServiceStats:
     num_adopted: int = 0
     num_recover_calls: int = 0
     num_expired: int = 0
+    num_notices: int = 0  # preempt and resume orders queued for ingresses
+    num_orphans: int = 0  # preempted requests resumed with no ingress to run them: cancelled
 
 
 class SchedulerService:
@@ -73,6 +84,9 @@ class SchedulerService:
         self._rebuilt: set[str] = set()  # clients that gave this incarnation their in-flight list
         self._applied: dict[str, int] = {}  # client -> last event batch applied
         self._last_poll = float("-inf")
+        self._owners: dict[RequestId, str] = {}  # request -> the ingress that streams it
+        self._notices: dict[str, list[tuple[int, RequestId | Placement]]] = {}  # client -> unseen, in order
+        self._notice_seq = 0
         logger.info("scheduler service up (incarnation %s)", self.counters.incarnation)
 
     @property
@@ -81,18 +95,38 @@ class SchedulerService:
 
     # ---- the ingress's calls -----------------------------------------------------------------
 
-    def submit(self, desc: RequestDesc, seed: int | None = None) -> Placement | Refusal:
+    def submit(self, desc: RequestDesc, seed: int | None = None, client: str | None = None) -> Placement | Refusal:
+        """Admit and place one request of `client` (None: an anonymous caller, which gets its
+        victims in `Placement.preempt` and no notices). Victims streamed by other ingresses are
+        queued for them."""
         if self.sched.journal.get(desc.request_id) is not None:  # a retried submit: decide again
             self.sched.cancel(desc.request_id)
-        return self.sched.submit(desc, seed=seed)
+        out = self.sched.submit(desc, seed=seed)
+        if isinstance(out, Placement):
+            if client is not None:
+                self._owners[desc.request_id] = client
+            for victim in out.preempt:
+                owner = self._owners.get(victim)
+                if owner is not None and owner != client:
+                    self._notify(owner, victim)
+        return out
+
+    def _notify(self, client: str, notice: RequestId | Placement) -> None:
+        self._notice_seq += 1
+        self._notices.setdefault(client, []).append((self._notice_seq, notice))
+        self.counters.num_notices += 1
 
     def report(self, client: str, batches: Sequence[tuple[int, Sequence[FlightEvent]]],
-               loads: Sequence[WorkerLoad] = (), telemetry: Sequence[WorkerTelemetry] = ()) -> ReportAck:
+               loads: Sequence[WorkerLoad] = (), telemetry: Sequence[WorkerTelemetry] = (),
+               delivered: tuple[str, int] | None = None) -> ReportAck:
         """Heartbeats, worker telemetry and events of one ingress. Batches at or below the last
         applied sequence number were applied before (a re-send after a timeout) and are skipped.
         Until `client` has rebuilt this incarnation, its events are dropped: the rebuild
-        supersedes them."""
+        supersedes them. `delivered`: (incarnation, last notice number) the ingress has seen;
+        notices up to it are not sent again."""
         self.counters.num_reports += 1
+        if delivered is not None and delivered[0] == self.incarnation and client in self._notices:
+            self._notices[client] = [n for n in self._notices[client] if n[0] > delivered[1]]
         for load in loads:
             self.sched.on_report(load)
         for t in telemetry:
@@ -105,6 +139,7 @@ class SchedulerService:
                     self.counters.num_duplicate_batches += 1
                     continue
                 for event in events:
+                    self._owners[event.request_id] = client
                     self._apply(event)
                 self.counters.num_events += len(events)
                 last = seq
@@ -118,8 +153,25 @@ class SchedulerService:
             result = self.sched.poll()
             expired = tuple(r.request_id for r in result.expired)
             self.counters.num_expired += len(expired)
+            self._deliver_resumed(result.resumed, now)
+        pending = self._notices.get(client, ())
         return ReportAck(self.incarnation, client not in self._rebuilt, last, len(self.sched.journal), expired,
-                         self.sched.telemetry.cursors())
+                         self.sched.telemetry.cursors(), notice_seq=pending[-1][0] if pending else 0,
+                         preempt=tuple(n for _, n in pending if not isinstance(n, Placement)),
+                         resume=tuple(n for _, n in pending if isinstance(n, Placement)))
+
+    def _deliver_resumed(self, resumed: Sequence[Placement], now: float) -> None:
+        """Queues each resumed request for the ingress streaming it; forgets finished requests."""
+        journal = self.sched.journal
+        self._owners = {r: c for r, c in self._owners.items() if journal.get(r) is not None}
+        for placement in resumed:
+            owner = self._owners.get(placement.request_id)
+            if owner is None:  # nobody can run it: release it rather than keep its booking forever
+                logger.warning("preempted %s has no ingress to resume it; cancelling it", placement.request_id)
+                self.counters.num_orphans += 1
+                self.sched.cancel(placement.request_id, now)
+            else:
+                self._notify(owner, placement)
 
     def _apply(self, event: FlightEvent) -> None:
         s, rid = self.sched, event.request_id
@@ -143,6 +195,8 @@ class SchedulerService:
         for load in loads:
             self.sched.on_report(load)
         adopted = sum(self.adopt(st) is not None for st in states if self.sched.journal.get(st.request_id) is None)
+        for st in states:
+            self._owners[st.request_id] = client
         self._rebuilt.add(client)
         self.counters.num_rebuilds += 1
         logger.info("rebuilt %d in-flight requests of %s", adopted, client)
@@ -159,6 +213,7 @@ class SchedulerService:
         results: dict[RequestId, Placement | Refusal] = {}
         order: list[RequestId] = []
         for st in states:
+            self._owners[st.request_id] = client
             if self.adopt(st) is None:
                 results[st.request_id] = Refusal(st.request_id, RefusalReason.UNKNOWN_TENANT, None,
                                                  f"unknown tenant {st.desc.tenant!r}")
@@ -183,8 +238,9 @@ class SchedulerService:
     # ---- adoption: the ingress's truth about one request --------------------------------------
 
     def adopt(self, st: FlightState) -> JournalEntry | None:
-        """Journal `st` as it is (workers, phase, tokens) and charge it there; None for an
-        unknown tenant. A request admitted before is not charged its admission again."""
+        """Journal `st` as it is (workers, phase, tokens) and charge it there (a preempted one
+        waits in the resumption queue instead); None for an unknown tenant. A request admitted
+        before is not charged its admission again."""
         s, now, rid = self.sched, self.clock.now(), st.request_id
         tenant = s.tenants.get(st.desc.tenant, now)
         if tenant is None:
@@ -207,6 +263,9 @@ class SchedulerService:
         entry.first_token_time = st.first_token_time
         entry.last_token_time = st.last_token_time
         entry.num_recoveries = max(entry.num_recoveries, st.num_recoveries)
+        if st.phase is Phase.PREEMPTED:
+            recovery.queue_preempted(s, entry, now)
+            return entry
         self._charge(entry, tenant.expected_output_tokens(st.desc.max_tokens, self.cfg.placement.default_output_tokens),
                      tenant.cfg.queue_timeout_s, now)
         return entry

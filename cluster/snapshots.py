@@ -19,9 +19,9 @@ from cluster.cost_model import chunk_tokens
 from cluster.descriptors import WorkerLoad
 from cluster.journal import JournalEntry, Phase
 from cluster.ordering import decode_batch_cap as _cap
-from cluster.ordering import latest_start_s, priority_key
+from cluster.ordering import latest_start_s
 from cluster.placement import Placement
-from cluster.recovery import recover_entry
+from cluster.recovery import queue_preempted, recover_entry
 from cluster.stats import SchedulerStats, WorkerStats
 
 if TYPE_CHECKING:
@@ -58,8 +58,7 @@ def rebuild(sched: "GlobalScheduler", in_flight: Sequence[JournalEntry], loads: 
         sched.fairness.activate(entry.desc.tenant, tenant.cfg.weight, now)
         sched.timelines.start(entry.request_id, entry.desc.tenant, entry.desc.arrival_time)
         if entry.phase is Phase.PREEMPTED:
-            sched._preempted.push(entry.request_id, priority_key(
-                entry.slo_class, now + entry.remaining_budget_s(now), 0.0, next(sched._seq)))
+            queue_preempted(sched, entry, now)
             continue
         prefill_needed = entry.phase in (Phase.QUEUED, Phase.PREFILLING, Phase.TRANSFERRING)
         prefill_lost = prefill_needed and entry.prefill_worker not in alive

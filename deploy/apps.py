@@ -87,7 +87,7 @@ class FerryIngress:
                 name_prefix="ferry",
             )
             if self.scheduler_cfg.enabled:
-                sched = self.scheduler_cfg.to_scheduler_config()
+                sched = self.scheduler_cfg.to_scheduler_config(cfg.engine.max_num_seqs)
                 name = self.scheduler_cfg.actor_name
                 self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name),
                                                lambda old: ray.kill(old, no_restart=True))

@@ -57,6 +57,9 @@ class SchedulerSection(_Section):
         False, description="a decode worker may prefill a request itself (and skip the KV handoff) when that "
                            "gives an earlier first token than the queued prefill workers, in chunks sized so "
                            "that its running rows keep their TPOT")
+    preempt_batch: bool = Field(
+        True, description="an interactive request that fits on no decode worker takes the rows of running "
+                          "batch-class requests, which pause and resume from their tokens when a row frees")
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     batch_deadline_s: float = Field(3600.0, gt=0, description="deadline of requests downgraded to batch")
     admit_timeout_s: float = Field(2.0, gt=0, description="a placement decision; past it, placed locally")
@@ -70,14 +73,16 @@ class SchedulerSection(_Section):
                 raise ValueError("tenants: a tenant name is empty")
         return self
 
-    def to_scheduler_config(self) -> SchedulerConfig:
+    def to_scheduler_config(self, max_num_seqs: int | None = None) -> SchedulerConfig:
+        """`max_num_seqs`: the decode engines' row limit (the scheduler's own default otherwise)."""
+        rows = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
         return SchedulerConfig(
             tenants=tuple(t.to_tenant_config(n) for n, t in sorted(self.tenants.items())),
             default_tenant=None if self.default_tenant is None else self.default_tenant.to_tenant_config("default"),
             admission=AdmissionConfig(slo_refuse_factor=self.slo_refuse_factor),
             heartbeat_timeout_s=self.heartbeat_timeout_s, batch_deadline_s=self.batch_deadline_s,
             slo_admission=self.slo_admission, fairness=self.fairness,
-            placement=PlacementConfig(local_prefill=self.local_prefill))
+            placement=PlacementConfig(local_prefill=self.local_prefill, preempt_batch=self.preempt_batch, **rows))
 
     def tenant_slos(self) -> StaticSlos:
         """The contracts the dashboard and `/health` measure attainment against: each listed tenant's,

@@ -56,6 +56,7 @@ class PeerSpec:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     ferry_local_prefill: bool = True
+    ferry_preempt_batch: bool = True  # interactive requests may take batch-class rows (scheduler.preempt_batch)
 
 
 def free_port() -> int:
@@ -85,7 +86,7 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
                           "dtype": spec.ferry_dtype},
                "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False},
-               "scheduler": {"local_prefill": spec.ferry_local_prefill}}
+               "scheduler": {"local_prefill": spec.ferry_local_prefill, "preempt_batch": spec.ferry_preempt_batch}}
         tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms)) if v is not None}
         if tenant:
             cfg["scheduler"]["default_tenant"] = tenant

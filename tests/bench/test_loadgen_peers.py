@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ def test_ferry_peers_get_a_valid_config_with_the_spec_applied(tmp_path: Path, na
     assert cfg.mode == mode and cfg.model == "/models/m.gguf" and cfg.stream_interval == 3
     assert cfg.engine.max_num_seqs == 12 and cfg.engine.max_model_len == 512 and cfg.loopback_only
     sched = SchedulerSection.model_validate(read_args(path)["scheduler"]).to_scheduler_config()
-    assert sched.placement.local_prefill and sched.default_tenant is not None
+    assert sched.placement.local_prefill and sched.placement.preempt_batch and sched.default_tenant is not None
+    off = SchedulerSection.model_validate(read_args(Path(command(
+        name, replace(spec, ferry_preempt_batch=False), 8124, tmp_path)[argv.index("--config") + 1]))["scheduler"])
+    assert not off.to_scheduler_config().placement.preempt_batch
     assert (sched.default_tenant.slo.ttft_ms, sched.default_tenant.slo.tpot_ms) == (3000, 250)
 
 

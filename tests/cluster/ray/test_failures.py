@@ -81,14 +81,16 @@ def worker_config(model: Path) -> WorkerConfig:
 
 
 def deployment(ray: ModuleType, model: Path, num_each: int, recovery: RecoveryConfig, *,
-               replace_dead: bool = False, prefix: str = "fail") -> Iterator[Deployment]:
-    """`num_each` prefill and decode actors, the scheduler actor, and a client placing through it."""
+               replace_dead: bool = False, prefix: str = "fail",
+               sched_cfg: SchedulerConfig | None = None) -> Iterator[Deployment]:
+    """`num_each` prefill and decode actors, the scheduler actor (`scheduler_config()` unless
+    given), and a client placing through it."""
     from actors.ray_actors import start_pd
     from cluster.actor import start_scheduler
 
     pd = start_pd(worker_config(model), num_prefill=num_each, num_decode=num_each, torch_threads=1,
                   name_prefix=f"{prefix}-{uuid.uuid4().hex[:4]}")
-    sched_cfg = scheduler_config()
+    sched_cfg = sched_cfg or scheduler_config()
     scheduler = start_scheduler(sched_cfg, name=f"ferry-scheduler-{uuid.uuid4().hex[:6]}")
     link = SchedulerPlacement(scheduler, LinkConfig(report_interval_s=0.05, admit_timeout_s=3.0, call_timeout_s=3.0,
                                                     down_backoff_s=0.5), sched_cfg)
