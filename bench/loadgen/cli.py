@@ -24,8 +24,8 @@ from pathlib import Path
 from bench.loadgen.arrivals import synthetic_workload
 from bench.loadgen.client import ClientConfig, check_loopback, replay
 from bench.loadgen.metrics import Slo, summarize
-from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, launched, served_model, worker_memory_mib
-from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, table, write_json,
+from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, health_figures, launched, served_model
+from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, table, tenant_table, write_json,
                                   write_results_md)
 from bench.loadgen.workload import (BenchRequest, assign_tenants, load_trace, rescale_rate, resolve_trace,
                                     scale_lengths)
@@ -135,12 +135,15 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         cfg = ClientConfig(url=url, model=model, max_concurrency=a.max_concurrency or a.parallel,
                            max_requests=a.num_requests, duration_s=a.duration, grace_s=a.grace,
                            salt=prompt_salt(a.seed, i))
-        before = worker_memory_mib(url)
+        before, preempted_before = health_figures(url)
         records, dur = asyncio.run(replay(cfg, reqs))
         s = summarize(records, dur, slos)
-        after = worker_memory_mib(url)
+        after, preempted_after = health_figures(url)
+        preemptions = None
+        if preempted_before is not None and preempted_after is not None:
+            preemptions = (preempted_after[0] - preempted_before[0], preempted_after[1] - preempted_before[1])
         result.points.append(RatePoint.of(rate, s, records, {
-            w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}))
+            w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}, preemptions))
         print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
               f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms",
               file=sys.stderr, flush=True)
@@ -191,6 +194,9 @@ def run_bench(a: argparse.Namespace) -> int:
     pngs = plot(results, a.knee_attainment, out)
     notes = sys.stderr if a.json else sys.stdout
     print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment))
+    tenants = tenant_table(results)
+    if tenants:
+        print("\nper tenant (and batch rows the scheduler preempted / resumed, from /health):\n" + tenants, file=notes)
     memory = memory_table(results)
     if memory:
         print("\nworker memory (resident MiB, from /health) before and after each rate:\n" + memory, file=notes)

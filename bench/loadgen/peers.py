@@ -178,14 +178,20 @@ def served_model(base: str) -> str | None:
     return None
 
 
-def worker_memory_mib(base: str) -> dict[str, int]:
-    """Resident MiB of each worker a ferry server's `/health` reports (the process, for the
-    in-process engine); {} from a server that reports none (llama.cpp) or does not answer."""
+def health_figures(base: str) -> tuple[dict[str, int], tuple[int, int] | None]:
+    """From a ferry server's `/health`: the resident MiB of each worker (the process, for the
+    in-process engine), and the batch rows its ingress has preempted and resumed so far (None
+    without a scheduler). ({}, None) from a server that reports neither (llama.cpp) or does not
+    answer."""
     try:
         _, health = fetch_health(base.rstrip("/").removesuffix("/v1"), None, timeout_s=5.0)
     except Unreachable:
-        return {}
-    return {w.name: int(w.rss_mib) for w in workers_of(health) if isinstance(w.rss_mib, (int, float))}
+        return {}, None
+    memory = {w.name: int(w.rss_mib) for w in workers_of(health) if isinstance(w.rss_mib, (int, float))}
+    link = health.get("scheduler")
+    if not isinstance(link, dict) or not isinstance(link.get("num_preempted"), int):
+        return memory, None
+    return memory, (int(link["num_preempted"]), int(link.get("num_resumed", 0)))
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> str:

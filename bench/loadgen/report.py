@@ -30,12 +30,15 @@ class RatePoint:
     e2el_s: list[float]
     # worker -> resident MiB (before the rate, after it), from the server's /health; {} if it says none
     memory_mib: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    # batch rows the server's scheduler preempted and resumed during the rate; None if it says none
+    preemptions: tuple[int, int] | None = None
 
     @staticmethod
     def of(rate: float, summary: Summary, records: list[RequestRecord],
-           memory_mib: dict[str, tuple[int | None, int | None]] | None = None) -> "RatePoint":
+           memory_mib: dict[str, tuple[int | None, int | None]] | None = None,
+           preemptions: tuple[int, int] | None = None) -> "RatePoint":
         ok = [r for r in records if r.success and r.chunk_s]
-        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok], memory_mib or {})
+        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok], memory_mib or {}, preemptions)
 
 
 @dataclass(slots=True)
@@ -90,10 +93,28 @@ def memory_table(results: list[SystemResult]) -> str | None:
     return format_table(["system", "rate rps", "sent", "worker", "MiB before", "MiB after", "change MiB"], rows)
 
 
+def tenant_table(results: list[SystemResult]) -> str | None:
+    """Each tenant's SLO attainment at each rate, with the batch rows the server preempted and
+    resumed meanwhile; None unless some run had more than one tenant."""
+    rows: list[list[Any]] = []
+    for r in results:
+        for p in r.points:
+            if len(p.summary.tenants) < 2:
+                continue
+            pre = p.preemptions
+            for name, t in sorted(p.summary.tenants.items()):
+                rows.append([r.name, p.rate_rps, name, int(t["sent"]), int(t["good"]), round(t["attainment"], 3),
+                             pre[0] if pre else None, pre[1] if pre else None])
+    if not rows:
+        return None
+    return format_table(["system", "rate rps", "tenant", "sent", "good", "attain", "preempted", "resumed"], rows)
+
+
 def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) -> None:
     out = {"meta": meta, "systems": [{"name": r.name, "skipped": r.skipped, "points": [
         {"rate_rps": p.rate_rps, **p.summary.to_dict(),
-         "memory_mib": {w: {"before": b, "after": a} for w, (b, a) in p.memory_mib.items()}}
+         "memory_mib": {w: {"before": b, "after": a} for w, (b, a) in p.memory_mib.items()},
+         "preemptions": None if p.preemptions is None else dict(zip(("preempted", "resumed"), p.preemptions))}
         for p in r.points]} for r in results]}
     path.write_text(json.dumps(out, indent=1, default=str))
 
@@ -156,6 +177,10 @@ def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: 
         lines += ["## Every rate", "", "```", format_table(
             ["system", "rate rps", "sent", "ok", "goodput rps", "attain", "P99 TTFT ms", "P99 TPOT ms",
              "P99 ITL ms", "P99 E2E ms"], sweep), "```", ""]
+    tenants = tenant_table(results)
+    if tenants:
+        lines += ["## Tenants", "", "SLO attainment per tenant; batch rows the scheduler preempted and resumed during",
+                  "each rate (from `/health`).", "", "```", tenants, "```", ""]
     memory = memory_table(results)
     if memory:
         lines += ["## Worker memory", "", "Resident MiB of each worker before and after each rate (from `/health`).",

@@ -36,9 +36,11 @@ class _Fake(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if self.path == "/health" and HEALTH["on"]:
             HEALTH["calls"] += 1  # a worker that grows 10 MiB per look, and one that does not say
+            n = HEALTH["calls"]  # an ingress that preempts 3 batch rows and resumes 1 between looks
             body = json.dumps({"healthy": True, "workers": {
-                "d0": {"kind": "decode", "healthy": True, "rss_mib": 1000 + 10 * HEALTH["calls"]},
-                "p0": {"kind": "prefill", "healthy": True}}}).encode()
+                "d0": {"kind": "decode", "healthy": True, "rss_mib": 1000 + 10 * n},
+                "p0": {"kind": "prefill", "healthy": True}},
+                "scheduler": {"available": True, "num_preempted": 3 * n, "num_resumed": n}}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -170,11 +172,34 @@ def test_worker_memory_before_and_after_each_rate_from_health(server: str, tmp_p
                                                  {"d0": {"before": 1030, "after": 1040}}]
 
 
+def test_online_and_batch_tenants_get_their_own_attainment_with_the_preemptions_between(  # type: ignore[no-untyped-def]
+        server: str, tmp_path, capsys) -> None:
+    import json
+
+    from bench.loadgen.cli import run_bench
+
+    HEALTH.update(calls=0, on=True)
+    try:
+        assert run_bench(_args(tmp_path, "--url", server, "--rate", "3", "--tenants", "online,batch",
+                               "--batch-slo", "e2el:60000")) == 0
+    finally:
+        HEALTH["on"] = False
+    out = capsys.readouterr().out
+    lines = out[out.index("per tenant"):].splitlines()
+    rows = {r[2]: r for r in (line.split() for line in lines[3:5])}
+    assert set(rows) == {"online", "batch"}
+    assert all(r[-2:] == ["3", "1"] for r in rows.values())  # (6, 2) after the rate - (3, 1) before it
+    (point,) = json.loads(next(tmp_path.glob("*/results.json")).read_text())["systems"][0]["points"]
+    assert point["preemptions"] == {"preempted": 3, "resumed": 1}
+    assert set(point["tenants"]) == {"online", "batch"}
+    assert {s["slo_class"] for s in SEEN} >= {"default", "batch"}  # batch requests say so
+
+
 def test_a_server_without_ferry_health_reports_no_memory(server: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from bench.loadgen.cli import run_bench
-    from bench.loadgen.peers import worker_memory_mib
+    from bench.loadgen.peers import health_figures
 
-    assert worker_memory_mib(server) == {}  # 404
-    assert worker_memory_mib("http://127.0.0.1:9") == {}  # nothing listening
+    assert health_figures(server) == ({}, None)  # 404
+    assert health_figures("http://127.0.0.1:9") == ({}, None)  # nothing listening
     assert run_bench(_args(tmp_path, "--url", server, "--rate", "3")) == 0
     assert "worker memory" not in capsys.readouterr().out
