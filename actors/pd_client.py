@@ -89,6 +89,12 @@ def _discard(stream: Any, timeout_s: float = 120.0) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
+async def _settled(ref: Awaitable[Any]) -> None:
+    """Waits for `ref` whatever it ends with (its error is the caller's to ignore)."""
+    with contextlib.suppress(Exception):
+        await ref
+
+
 class PDClient:
     def __init__(self, prefills: Mapping[str, ActorHandle], decodes: Mapping[str, ActorHandle],
                  cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
@@ -108,6 +114,7 @@ class PDClient:
         self.num_replaced = 0
         self.num_preempted = 0
         self.num_resumed_locally = 0  # preempted requests the scheduler did not place in time
+        self._freeing: dict[str, list[Any]] = {}  # decode worker -> aborts of preempted rows under way
         self.replaced_at = float("-inf")  # time.monotonic() of the last replacement
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -223,7 +230,9 @@ class PDClient:
         worker_rid = flight.worker_request_id
         flight.preempt()
         self.num_preempted += 1
-        self.decodes[decode].abort.remote(worker_rid)  # the stream ends with the abort; blocks freed
+        # The stream ends with the abort and the blocks are freed; announces to that worker wait
+        # for it, so the request that took the row finds it free.
+        self._freeing.setdefault(decode, []).append(self.decodes[decode].abort.remote(worker_rid))
         logger.info("%s: preempted on %s after %d tokens", request_id, decode, len(flight.streamed))
         return True
 
@@ -389,6 +398,10 @@ class PDClient:
 
     async def _announce(self, req: GenerationRequest, decodes: tuple[str, ...]) -> str:
         for name in decodes:
+            freeing = self._freeing.pop(name, None)
+            if freeing:
+                await asyncio.wait([asyncio.ensure_future(_settled(r)) for r in freeing],
+                                   timeout=self.cfg.call_timeout_s)
             try:
                 if await self._bounded(self.decodes[name].announce.remote(req), self.cfg.call_timeout_s,
                                        f"announce of {req.request_id} on {name}"):

@@ -104,7 +104,7 @@ class Summary:
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2el_ms: dict[str, float]
-    tenants: dict[str, dict[str, float]]  # tenant -> {sent, good, attainment}
+    tenants: dict[str, dict[str, float]]  # tenant -> {sent, ok, good, attainment, ttft_p99_ms, tpot_p99_ms}
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -119,8 +119,12 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, S
         t = tenants.setdefault(r.tenant, {"sent": 0, "good": 0, "attainment": 0.0})
         t["sent"] += 1
         t["good"] += int(g)
-    for t in tenants.values():
+    for name, t in tenants.items():
         t["attainment"] = t["good"] / t["sent"]
+        mine = [r for r in ok if r.tenant == name]
+        t["ok"] = len(mine)
+        t["ttft_p99_ms"] = _stats_ms([r.ttft_s for r in mine])["p99"]
+        t["tpot_p99_ms"] = _stats_ms([r.tpot_s for r in mine if r.num_output > 1])["p99"]
     dur = max(duration_s, 1e-9)
     return Summary(
         num_sent=len(records), completed=len(ok), failed=len(records) - len(ok), duration_s=duration_s,

@@ -103,11 +103,13 @@ def tenant_table(results: list[SystemResult]) -> str | None:
                 continue
             pre = p.preemptions
             for name, t in sorted(p.summary.tenants.items()):
-                rows.append([r.name, p.rate_rps, name, int(t["sent"]), int(t["good"]), round(t["attainment"], 3),
-                             pre[0] if pre else None, pre[1] if pre else None])
+                rows.append([r.name, p.rate_rps, name, int(t["sent"]), int(t.get("ok", 0)), int(t["good"]),
+                             round(t["attainment"], 3), round(t.get("ttft_p99_ms", 0.0), 1),
+                             round(t.get("tpot_p99_ms", 0.0), 1), pre[0] if pre else None, pre[1] if pre else None])
     if not rows:
         return None
-    return format_table(["system", "rate rps", "tenant", "sent", "good", "attain", "preempted", "resumed"], rows)
+    return format_table(["system", "rate rps", "tenant", "sent", "ok", "good", "attain", "P99 TTFT ms", "P99 TPOT ms",
+                         "preempted", "resumed"], rows)
 
 
 def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) -> None:

@@ -68,8 +68,11 @@ def test_throughput_goodput_and_tenant_attainment() -> None:
     assert s.output_throughput == pytest.approx(6 / 4)
     assert s.goodput == pytest.approx(2 / 4)
     assert s.attainment == pytest.approx(0.5)
-    assert s.tenants == {"a": {"sent": 2, "good": 1, "attainment": 0.5},
-                         "b": {"sent": 2, "good": 1, "attainment": 0.5}}
+    a, b = s.tenants["a"], s.tenants["b"]
+    assert {k: a[k] for k in ("sent", "ok", "good", "attainment")} == {"sent": 2, "ok": 2, "good": 1, "attainment": 0.5}
+    assert {k: b[k] for k in ("sent", "ok", "good", "attainment")} == {"sent": 2, "ok": 1, "good": 1, "attainment": 0.5}
+    assert a["ttft_p99_ms"] == pytest.approx(100 + 0.99 * 800)  # each tenant's own latencies: 100 and 900 ms
+    assert b["ttft_p99_ms"] == pytest.approx(100) and b["tpot_p99_ms"] == pytest.approx(50)
 
 
 def test_per_class_slos() -> None:
