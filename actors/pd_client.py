@@ -52,6 +52,7 @@ from actors.placement import (LeastLoaded, NoWorkers, Placement, PlacementChoice
                               ScheduledPlacement)
 from actors.recovery import (DECODING, PREEMPTED, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator,
                              StreamBroken, is_worker_failure)
+from actors.room import RoomQueue
 from actors.worker_config import ClientConfig
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class PDClient:
         self.num_preempted = 0
         self.num_resumed_locally = 0  # preempted requests the scheduler did not place in time
         self._freeing: dict[str, list[Any]] = {}  # decode worker -> aborts of preempted rows under way
+        self.room = RoomQueue()  # new requests waiting for a decode row, most urgent first
         self.replaced_at = float("-inf")  # time.monotonic() of the last replacement
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -247,9 +249,18 @@ class PDClient:
 
     async def _await_resume(self, flight: InFlight) -> PlacementChoice:
         """The placement of a preempted request: the scheduler's (`resume`), or the local
-        policy's when the scheduler is unreachable or has not answered in `resume_wait_s`."""
+        policy's when the scheduler is unreachable or has not answered in `resume_wait_s`. It
+        then lets interactive requests waiting for a row go first (a resume takes a row without
+        asking for one), up to the same deadline."""
         assert flight.resume_at is not None
         deadline = time.monotonic() + self.recovery_cfg.resume_wait_s
+        choice = await self._resume_choice(flight, deadline)
+        while self.room.interactive_waiting() and time.monotonic() < deadline:
+            await asyncio.sleep(self.room.poll_s)
+        return choice
+
+    async def _resume_choice(self, flight: InFlight, deadline: float) -> PlacementChoice:
+        assert flight.resume_at is not None
         while True:
             try:
                 return await asyncio.wait_for(asyncio.shield(flight.resume_at), 0.5)
@@ -276,7 +287,10 @@ class PDClient:
         handoff = choice.prefill is not None and req.needs_handoff
         if handoff:
             flight.mark_issued()  # the announce below is this attempt's first call to a worker
-            decode = await self._announce(req, choice.decodes)
+            if flight.attempt == 0:
+                decode = await self._announce_queued(req, choice)
+            else:  # a recovery without room waits in `_after_failure`
+                decode = await self._announce(req, choice.decodes)
         else:
             decode = choice.decodes[0]
             if choice.local_chunk_tokens is not None:  # a local prefill: keep its steps within TPOT
@@ -320,6 +334,7 @@ class PDClient:
                     yield event
         finally:
             self._in_flight[decode] -= 1
+            self.room.release()
 
     async def _diagnose(self, flight: InFlight, error: BaseException) -> frozenset[str]:
         """Which of the failed attempt's workers are dead: probed with a short deadline (a dead
@@ -395,6 +410,28 @@ class PDClient:
             except NoWorkers as e:
                 plan.append((flight, e))
         return plan
+
+    async def _announce_queued(self, req: GenerationRequest, choice: PlacementChoice) -> str:
+        """`_announce` for a new request: while every decode row is taken it waits in the room
+        queue (`actors/room.py`) for up to `room_wait_s`, then is refused (`NoCapacity`)."""
+        rank, key = choice.priority or (0, req.arrival_time)
+        if self.room.may_skip(rank, key):
+            try:
+                return await self._announce(req, choice.decodes)
+            except NoCapacity:
+                if self.cfg.room_wait_s <= 0:
+                    raise
+        deadline = time.monotonic() + self.cfg.room_wait_s
+        ticket = self.room.join(rank, key)
+        try:
+            while await self.room.turn(ticket, deadline - time.monotonic()):
+                try:
+                    return await self._announce(req, choice.decodes)
+                except NoCapacity:
+                    pass
+            raise NoCapacity(f"no decode worker had room for {req.request_id} within {self.cfg.room_wait_s:g}s")
+        finally:
+            self.room.leave(ticket)
 
     async def _announce(self, req: GenerationRequest, decodes: tuple[str, ...]) -> str:
         for name in decodes:

@@ -52,6 +52,9 @@ class PlacementChoice:
     # With prefill None on a prompt that could be handed off: the scheduler placed its prefill on
     # decodes[0] itself, at most this many prompt tokens per step (None: the engine's budget).
     local_chunk_tokens: int | None = None
+    # (SLO class rank, key): its place in the queue for a decode row, smaller first; the
+    # scheduler's (rank, urgency), or None: interactive, by arrival time.
+    priority: tuple[int, float] | None = None
 
 
 class Placement(Protocol):

@@ -56,7 +56,10 @@ class ClientConfig:
     prefill_timeout_s: float = 60.0  # a whole prefill: queue, lookup, compute, send
     token_timeout_s: float = 60.0  # between two streamed events (the first waits for the prefill too)
     load_ttl_s: float = 0.2  # how long polled worker loads are trusted
+    room_wait_s: float = 30.0  # a new request that finds every decode row taken queues this long (0: refuse at once)
 
     def __post_init__(self) -> None:
         if min(self.call_timeout_s, self.prefill_timeout_s, self.token_timeout_s) <= 0 or self.load_ttl_s < 0:
             raise ValueError("timeouts must be positive and load_ttl_s >= 0")
+        if self.room_wait_s < 0:
+            raise ValueError("room_wait_s must be >= 0")

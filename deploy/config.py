@@ -70,6 +70,8 @@ class AppConfig(_Section):
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     api: ApiConfig = ApiConfig(auth_required=False)
     request_timeout_s: float = Field(120.0, gt=0, description="longest a request may wait between tokens")
+    room_wait_s: float = Field(30.0, ge=0, description="a new request that finds every decode row taken waits this "
+                                                       "long for one (interactive first), then gets 429; 0: 429 at once")
     stream_interval: int = Field(
         1, ge=1, description="tokens per streamed delta after the first: 1 sends every token; more sends fewer, "
                              "larger deltas (less CPU per token on the way to the client, same TTFT and TPOT, "
@@ -114,7 +116,8 @@ class AppConfig(_Section):
                                  disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0)
 
     def to_client_config(self) -> ClientConfig:
-        return ClientConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s)
+        return ClientConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
+                            room_wait_s=self.room_wait_s)
 
 
 class ConfigError(ValueError):

@@ -319,7 +319,7 @@ def test_without_the_actor_requests_are_placed_locally_and_adopted_later() -> No
         return choice, link, flight
 
     choice, link, flight = asyncio.run(main())
-    assert choice == PlacementChoice("p0", ("d0",))
+    assert choice == PlacementChoice("p0", ("d0",), priority=(0, flight.req.arrival_time))  # no scheduler: by arrival
     assert link.stats.num_fallback == 1 and not link.available
     # The truth is queued for the actor (an ADOPT), kept until an ack, superseded by a rebuild.
     events = [e for _, batch in link._pending for e in batch] + link._events
@@ -365,4 +365,4 @@ def test_a_prefill_placed_on_its_decode_worker_runs_there_whole() -> None:
             link.close()
 
     # ... in chunks of the scheduler's size (pd_client hands it to the engine as max_chunk_tokens).
-    assert asyncio.run(main()) == PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48)
+    assert asyncio.run(main()) == PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48, priority=(0, 0.0))

@@ -1,0 +1,130 @@
+"""Waiting for a decode row (`actors/room.py`, `PDClient._announce_queued`), against hand-made
+worker handles (no Ray): a request refused for lack of rows waits and gets the next free row
+instead of a 429; interactive requests get rows before batch ones that waited longer; a new
+request does not jump the queue unless it outranks it; a wait past `room_wait_s` is refused;
+`room_wait_s=0` refuses at once, as before."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actors.engine.sampling import SamplingParams
+from actors.errors import NoCapacity
+from actors.messages import GenerationRequest
+from actors.pd_client import PDClient
+from actors.placement import PlacementChoice
+from actors.room import RoomQueue
+from actors.worker_config import ClientConfig
+from tests.actors.workers.test_replacement import Method
+
+
+def test_only_the_most_urgent_waiter_is_woken_and_the_next_one_when_it_leaves() -> None:
+    async def main() -> list[str]:
+        q = RoomQueue(poll_s=10.0)  # nothing happens by polling here: only releases wake
+        order: list[str] = []
+        batch, late, early = q.join(1, 0.0), q.join(0, 5.0), q.join(0, 1.0)
+        assert len(q) == 3 and q.interactive_waiting()
+        assert not q.may_skip(0, 2.0) and q.may_skip(0, 0.5)  # only by outranking the head
+
+        async def wait(name: str, ticket: int) -> None:
+            assert await q.turn(ticket, 5.0)
+            order.append(name)
+            q.leave(ticket)
+
+        tasks = [asyncio.ensure_future(wait(n, t)) for n, t in (("batch", batch), ("late", late), ("early", early))]
+        q.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        assert len(q) == 0 and not q.interactive_waiting() and q.may_skip(1, 9.0)
+        return order
+
+    assert asyncio.run(main()) == ["early", "late", "batch"]
+
+
+def test_a_turn_times_out_and_polling_finds_rows_freed_elsewhere() -> None:
+    async def main() -> None:
+        q = RoomQueue(poll_s=0.05)
+        first, second = q.join(0, 0.0), q.join(0, 1.0)
+        t0 = time.monotonic()
+        assert not await q.turn(second, 0.2)  # never the head
+        assert time.monotonic() - t0 == pytest.approx(0.2, abs=0.15)
+        assert await q.turn(first, 1.0)  # the head: woken by a poll without any release
+        q.leave(first)
+        assert await q.turn(second, 1.0)
+
+    asyncio.run(main())
+    with pytest.raises(ValueError):
+        RoomQueue(poll_s=0)
+
+
+class Decode:
+    """A decode worker with `rows` rows: announce takes one or says no; `free` gives one back."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.taken: list[str] = []
+        self.granted: list[str] = []  # every row given, in order
+
+        async def announce(req: GenerationRequest) -> bool:
+            if len(self.taken) >= self.rows:
+                return False
+            self.taken.append(req.request_id)
+            self.granted.append(req.request_id)
+            return True
+
+        self.announce = Method(announce)
+
+    def free(self) -> None:
+        self.taken.pop(0)
+
+
+def request(rid: str) -> GenerationRequest:
+    return GenerationRequest(rid, list(range(4, 20)), SamplingParams(max_tokens=4))
+
+
+def client(decode: Decode, room_wait_s: float = 5.0) -> PDClient:
+    c = PDClient({}, {"d0": decode}, ClientConfig(room_wait_s=room_wait_s))  # type: ignore[dict-item]
+    c.room.poll_s = 0.02
+    return c
+
+
+def test_refused_requests_wait_for_rows_interactive_first() -> None:
+    decode = Decode(rows=1)
+
+    async def main() -> PDClient:
+        c = client(decode)
+
+        async def ask(rid: str, priority: tuple[int, float]) -> str:
+            return await c._announce_queued(request(rid), PlacementChoice("p0", ("d0",), priority=priority))
+
+        assert await ask("first", (0, 0.0)) == "d0"  # the one row
+        batch = asyncio.ensure_future(ask("batch", (1, 1.0)))
+        await asyncio.sleep(0.05)
+        online = asyncio.ensure_future(ask("online", (0, 2.0)))  # later, but interactive
+        await asyncio.sleep(0.05)
+        assert len(c.room) == 2 and decode.granted == ["first"]  # no 429: both wait
+        decode.free()
+        c.room.release()  # as the end of an attempt does
+        assert await asyncio.wait_for(online, 5.0) == "d0"
+        assert not batch.done()
+        decode.free()  # nobody says so: the queue's poll finds the row
+        assert await asyncio.wait_for(batch, 5.0) == "d0"
+        return c
+
+    c = asyncio.run(main())
+    assert decode.granted == ["first", "online", "batch"] and c.room.num_queued == 2 and len(c.room) == 0
+
+
+def test_a_wait_past_room_wait_s_is_refused_and_zero_refuses_at_once() -> None:
+    async def main(wait_s: float) -> float:
+        c = client(Decode(rows=0), room_wait_s=wait_s)
+        t0 = time.monotonic()
+        with pytest.raises(NoCapacity):
+            await c._announce_queued(request("r"), PlacementChoice("p0", ("d0",)))
+        assert len(c.room) == 0
+        return time.monotonic() - t0
+
+    assert asyncio.run(main(0.3)) == pytest.approx(0.3, abs=0.2)
+    assert asyncio.run(main(0.0)) < 0.1
