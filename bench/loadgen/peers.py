@@ -86,7 +86,9 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
                           "dtype": spec.ferry_dtype},
                "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False},
-               "scheduler": {"local_prefill": spec.ferry_local_prefill, "preempt_batch": spec.ferry_preempt_batch}}
+               "scheduler": {"local_prefill": spec.ferry_local_prefill}}
+        if not spec.ferry_preempt_batch:  # only when off: older snapshots (--ferry-src) do not know the key
+            cfg["scheduler"]["preempt_batch"] = False
         tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms)) if v is not None}
         if tenant:
             cfg["scheduler"]["default_tenant"] = tenant
