@@ -103,6 +103,10 @@ class ClusterBackend:
                           "rss_mib": w.rss_mib}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
+        room = getattr(self.client, "room", None)
+        if room is not None:  # requests waiting for a decode row now, and how many ever had to
+            report["row_queue"] = {"waiting": len(room), "num_queued": room.num_queued,
+                                   "interactive_waiting": room.interactive_waiting()}
         down = sorted(name for name, w in workers.items() if not w["healthy"])
         if down:  # serving on the others (or not at all); dead ones are being replaced
             report["degraded"] = {"down": down, "replacing": sorted(getattr(self.client, "replacing", {}))}

@@ -51,3 +51,16 @@ def test_each_worker_reports_its_resident_memory_when_known() -> None:
     report = health([load("p0", "prefill", rss_bytes=1500 << 20), load("d0", "decode")])
     assert report["workers"]["p0"]["rss_mib"] == 1500
     assert report["workers"]["d0"]["rss_mib"] is None  # a load that did not say (0): unknown, not zero
+
+
+def test_requests_waiting_for_a_decode_row_are_reported() -> None:
+    from actors.room import RoomQueue
+
+    async def main() -> dict[str, Any]:
+        client = Client([load("p0", "prefill"), load("d0", "decode")])
+        client.room = RoomQueue()  # type: ignore[attr-defined]
+        client.room.join(1, 0.0)  # type: ignore[attr-defined]
+        return await ClusterBackend(client, None, "m", 100).health()  # type: ignore[arg-type]
+
+    assert asyncio.run(main())["row_queue"] == {"waiting": 1, "num_queued": 1, "interactive_waiting": False}
+    assert "row_queue" not in health([load("d0", "decode")])  # a client without one says nothing
