@@ -339,7 +339,8 @@ class SchedulerPlacement:
             if flight is None or flight.phase != PREEMPTED:
                 continue  # finished or cancelled meanwhile (its event tells the scheduler)
             try:
-                choice = self._choice(flight.resume_request(), p.prefill_worker, p.decode_worker, prefills, decodes)
+                choice = self._choice(flight.resume_request(), p.prefill_worker, p.decode_worker, prefills, decodes,
+                                      p.local_chunk_tokens)
             except NoWorkers:
                 self._readopt([p.request_id])  # still preempted: the scheduler queues it again
                 continue

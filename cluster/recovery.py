@@ -18,6 +18,7 @@ sequencing; they touch nothing the scheduler does not own.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import heapq
@@ -79,7 +80,8 @@ def resume_preempted(sched: "GlobalScheduler", now: float) -> list[Placement]:
     """Place preempted batch requests again, most urgent first, while a decode row is free
     without preempting anyone (batch work never preempts); rows promised to requests still
     prefilling are not free (else the row just taken for an interactive request goes straight
-    back to its victim)."""
+    back to its victim). A resume recomputes its prompt and tokens on its decode worker, in
+    chunks that keep the rows already there within their TPOT target (`resume_chunk_tokens`)."""
     resumed: list[Placement] = []
     queue = sched._preempted
     while queue:
@@ -104,11 +106,19 @@ def resume_preempted(sched: "GlobalScheduler", now: float) -> list[Placement]:
         placed = sched._place(entry, tenant, now, PlacementKind.RECOMPUTE)
         if isinstance(placed, Placement):
             sched.counters.num_resumed += 1
-            resumed.append(placed)
+            resumed.append(replace(placed, local_chunk_tokens=resume_chunk_tokens(sched, placed.decode_worker)))
         else:
             sched._count_refusal(placed)
             sched._leave(entry.request_id, now, None, completed=False, stage=Stage.REFUSED)
     return resumed
+
+
+def resume_chunk_tokens(sched: "GlobalScheduler", name: WorkerName) -> int:
+    """Prompt tokens per step for a recompute on decode worker `name` beside its rows (at least
+    one hash block a step, however little room they leave)."""
+    view = sched.workers.get(name)
+    rows, ctx = (view.num_active, view.active_context_tokens) if view is not None else (0, 0)
+    return max(sched.cfg.placement.hash_block_size, sched.local_chunk_tokens(name, rows, ctx, 0))
 
 
 def preempt(sched: "GlobalScheduler", rid: RequestId, now: float) -> None:

@@ -102,6 +102,8 @@ def test_a_victim_streamed_by_another_ingress_is_preempted_there_and_resumed_whe
     (resumed,) = ack.resume
     assert resumed.request_id == victim and resumed.decode_worker == "d0" and ack.notice_seq == 2
     assert resumed.resume_from_token == 2  # from the tokens already streamed
+    # Recomputed on d0 in chunks that keep its rows within their TPOT: none is interactive now.
+    assert resumed.local_chunk_tokens == PlacementConfig().max_local_chunk_tokens
     assert svc.stats().num_preempted == 1 and svc.stats().num_resumed == 1
     svc.check_integrity()
 
@@ -217,9 +219,9 @@ class _Actor:
         return SimpleNamespace(remote=call)
 
 
-def placement(rid: str, decode: str = "d0", preempt: tuple[str, ...] = ()) -> Placement:
+def placement(rid: str, decode: str = "d0", preempt: tuple[str, ...] = (), chunk: int | None = None) -> Placement:
     return Placement(RequestId(rid), WorkerName("p0"), WorkerName(decode), PriorityKey(0, 0.0, 0),
-                     preempt=tuple(RequestId(r) for r in preempt))
+                     preempt=tuple(RequestId(r) for r in preempt), local_chunk_tokens=chunk)
 
 
 def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_resumptions() -> None:
@@ -230,7 +232,7 @@ def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_r
     other = InFlight(request("v3", "batch"))
     other.place("p0", "d1", DECODING)
     acks = [ReportAck("inc", False, 0, 0, notice_seq=4, preempt=(RequestId("v3"),)),
-            ReportAck("inc", False, 0, 0, notice_seq=5, resume=(placement("v1", "d1"),))]
+            ReportAck("inc", False, 0, 0, notice_seq=5, resume=(placement("v1", "d1", chunk=48),))]
     actor = _Actor(placement("o1", preempt=("v1", "v2", "gone")), acks)
     source = _Source([stopping, moving, other])
 
@@ -252,7 +254,8 @@ def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_r
 
     assert asyncio.run(main()).decodes[0] == "d0"
     assert stopping.phase == PREEMPTED and other.phase == PREEMPTED and moving.phase == "prefilling"
-    assert source.resumed == {"v1": PlacementChoice(None, ("d1", "d0"))}  # a resume runs on its decode worker
+    # A resume runs on its decode worker, recomputing in the scheduler's chunks.
+    assert source.resumed == {"v1": PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48)}
     readopted = [e for e in actor.sent if e.kind is EventKind.ADOPT]
     assert {e.request_id for e in readopted} == {"v2"}  # the scheduler learns v2 still runs (re-sent: no acks)
     # What the link has seen goes back with every report, so nothing is acted on twice.
