@@ -55,6 +55,9 @@ class GenerationRequest:
     # Prompt tokens per engine step at most (None: the engine's budget). Set for one attempt when
     # the scheduler has a decode worker prefill for itself, sized to its rows' TPOT room.
     max_chunk_tokens: int | None = None
+    # 0 interactive, 1 batch: engines admit waiting requests of a smaller rank first. Set from the
+    # placement's priority (the scheduler knows the request's SLO class).
+    priority_rank: int = 0
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object
@@ -89,6 +92,7 @@ class GenerationRequest:
             "seed": self.seed,
             "output_token_ids": self.output_token_ids,
             "max_chunk_tokens": self.max_chunk_tokens,
+            "priority_rank": self.priority_rank,
         }
 
 

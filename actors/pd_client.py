@@ -284,6 +284,8 @@ class PDClient:
         """One try at running `flight` where `choice` says; events are journaled as they pass."""
         req = flight.attempt_request()
         rid = req.request_id
+        if choice.priority is not None and choice.priority[0] != req.priority_rank:
+            req = replace(req, priority_rank=choice.priority[0])  # engines queue batch work behind
         handoff = choice.prefill is not None and req.needs_handoff
         if handoff:
             flight.mark_issued()  # the announce below is this attempt's first call to a worker

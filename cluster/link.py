@@ -340,7 +340,7 @@ class SchedulerPlacement:
                 continue  # finished or cancelled meanwhile (its event tells the scheduler)
             try:
                 choice = self._choice(flight.resume_request(), p.prefill_worker, p.decode_worker, prefills, decodes,
-                                      p.local_chunk_tokens)
+                                      p.local_chunk_tokens, (p.priority.class_rank, p.priority.key_s))
             except NoWorkers:
                 self._readopt([p.request_id])  # still preempted: the scheduler queues it again
                 continue

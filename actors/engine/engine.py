@@ -131,6 +131,7 @@ class Engine:
         num_shared_prefix_tokens: int = 0,
         prefill_only: bool = False,
         max_chunk_tokens: int | None = None,
+        priority_rank: int = 0,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
         or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
@@ -143,7 +144,8 @@ class Engine:
         `max_chunk_tokens`: in steps that also decode other requests, compute at most this many of
         its prompt tokens, however much of the step budget is left, and no more than that with the
         other capped prompts of the step together (a decode worker prefilling prompts between its
-        rows' decode steps)."""
+        rows' decode steps). `priority_rank`: 0 interactive, 1 batch; while requests wait for
+        room, smaller ranks are admitted first (arrival order within a rank)."""
         if max_chunk_tokens is not None and max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,
@@ -153,6 +155,7 @@ class Engine:
         req.hold_kv = hold_kv or prefill_only
         req.prefill_only = prefill_only
         req.max_chunk_tokens = max_chunk_tokens
+        req.priority_rank = priority_rank
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)

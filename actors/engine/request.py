@@ -53,6 +53,8 @@ class Request:
     # whatever the step budget leaves); a decode worker prefilling for itself keeps each step
     # within its rows' TPOT this way.
     max_chunk_tokens: int | None = None
+    # 0 interactive, 1 batch: waiting requests of a smaller rank are admitted first.
+    priority_rank: int = 0
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)

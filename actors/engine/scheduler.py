@@ -6,8 +6,9 @@ prompt chunks of requests with `max_chunk_tokens` share at most that many tokens
 with decode rows to protect; without any, the caps are lifted). When the pool cannot hold a running
 request's next tokens, the most recently admitted running request is preempted (its blocks are
 freed; it goes back to the head of the queue and is recomputed later from prompt + tokens generated
-so far). Waiting requests are admitted after that, in arrival order, while budget, sequence slots
-and blocks allow, reusing their cached prefix blocks.
+so far). Waiting requests are admitted after that, interactive before batch (`priority_rank`) and in
+arrival order within a rank, while budget, sequence slots and blocks allow, reusing their cached
+prefix blocks.
 """
 
 from __future__ import annotations
@@ -59,7 +60,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queues `request` after every waiting request of its rank or a smaller one."""
+        rank = request.priority_rank
+        if not self.waiting or self.waiting[-1].priority_rank <= rank:
+            self.waiting.append(request)
+            return
+        for i, queued in enumerate(self.waiting):
+            if queued.priority_rank > rank:
+                self.waiting.insert(i, request)
+                return
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -173,6 +173,20 @@ def test_abort_frees_blocks_and_others_continue(tiny_llama_dir):
     engine.check_integrity()
 
 
+def test_waiting_interactive_requests_are_admitted_before_batch_ones(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, max_num_seqs=1)  # one row: the queue order is the run order
+    ps = prompts(5, 20, seed=31)
+    engine.add_request("running", ps[0], GREEDY)
+    engine.step()  # takes the row
+    for rid, p, rank in (("b1", ps[1], 1), ("i1", ps[2], 0), ("b2", ps[3], 1), ("i2", ps[4], 0)):
+        engine.add_request(rid, p, GREEDY, priority_rank=rank)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["running", "i1", "i2", "b1", "b2"]  # arrival order within a rank
+    engine.check_integrity()
+
+
 def test_bad_input_raises_and_engine_keeps_serving(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_model_len=64)
     engine.add_request("ok", [5, 6, 7], GREEDY)

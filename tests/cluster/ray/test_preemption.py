@@ -255,7 +255,7 @@ def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_r
     assert asyncio.run(main()).decodes[0] == "d0"
     assert stopping.phase == PREEMPTED and other.phase == PREEMPTED and moving.phase == "prefilling"
     # A resume runs on its decode worker, recomputing in the scheduler's chunks.
-    assert source.resumed == {"v1": PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48)}
+    assert source.resumed == {"v1": PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48, priority=(0, 0.0))}
     readopted = [e for e in actor.sent if e.kind is EventKind.ADOPT]
     assert {e.request_id for e in readopted} == {"v2"}  # the scheduler learns v2 still runs (re-sent: no acks)
     # What the link has seen goes back with every report, so nothing is acted on twice.
