@@ -286,6 +286,7 @@ class PDClient:
         rid = req.request_id
         if choice.priority is not None and choice.priority[0] != req.priority_rank:
             req = replace(req, priority_rank=choice.priority[0])  # engines queue batch work behind
+        flight.priority_rank = req.priority_rank
         handoff = choice.prefill is not None and req.needs_handoff
         if handoff:
             flight.mark_issued()  # the announce below is this attempt's first call to a worker
@@ -426,7 +427,11 @@ class PDClient:
         deadline = time.monotonic() + self.cfg.room_wait_s
         ticket = self.room.join(rank, key)
         try:
-            while await self.room.turn(ticket, deadline - time.monotonic()):
+            while True:
+                if rank == 0:
+                    self._make_room(choice.decodes[0])
+                if not await self.room.turn(ticket, deadline - time.monotonic()):
+                    break
                 try:
                     return await self._announce(req, choice.decodes)
                 except NoCapacity:
@@ -434,6 +439,21 @@ class PDClient:
             raise NoCapacity(f"no decode worker had room for {req.request_id} within {self.cfg.room_wait_s:g}s")
         finally:
             self.room.leave(ticket)
+
+    def _make_room(self, decode: str) -> None:
+        """An interactive request found no row on `decode`: unless a row there is already being
+        freed, stop this caller's batch row on it that is cheapest to recompute (the scheduler
+        hears of it and resumes it later). The scheduler preempts at admission from its own
+        view; this covers a view that lagged (a row it counted free was taken meanwhile)."""
+        if self.scheduled is None or self._freeing.get(decode):
+            return
+        victims = [f for f in self.flights.values()
+                   if f.decode == decode and f.phase == DECODING and f.priority_rank > 0 and f.issued.is_set()]
+        if not victims:
+            return
+        victim = min(victims, key=lambda f: (f.req.num_prompt_tokens + len(f.streamed), f.request_id))
+        if self.preempt(victim.request_id):
+            self.scheduled.on_preempted(victim)
 
     async def _announce(self, req: GenerationRequest, decodes: tuple[str, ...]) -> str:
         for name in decodes:

@@ -119,6 +119,11 @@ class ScheduledPlacement(Protocol):
         """The request left: finished (`finished`), or failed / cancelled."""
         ...
 
+    def on_preempted(self, flight: "InFlight") -> None:
+        """The caller stopped `flight`'s row itself (for an interactive request that found no
+        room): it waits to be placed again, like a victim of the scheduler's."""
+        ...
+
 
 class LeastLoaded:
     """Fewest active requests first (running + waiting + announced); among equals the start of the

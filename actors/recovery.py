@@ -109,6 +109,7 @@ class InFlight:
     room_deadline: float | None = None  # monotonic; set by the first of those
     emitted_tokens: int = 0  # leading tokens of `streamed` whose text has gone out
     num_preemptions: int = 0
+    priority_rank: int = 0  # the current attempt's: 0 interactive, 1 batch
     resume_at: asyncio.Future[PlacementChoice] | None = None  # while preempted: where it runs next
     _text_base: str = ""
     _replay: list[int] = field(default_factory=list)  # streamed tokens the attempt samples again

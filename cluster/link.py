@@ -289,6 +289,11 @@ class SchedulerPlacement:
         self._classes.pop(rid, None)
         self._hashes.pop(rid, None)
 
+    def on_preempted(self, flight: InFlight) -> None:
+        self.stats.num_preempted += 1
+        self._assigned.pop(flight.request_id, None)
+        self._push(FlightEvent(EventKind.ADOPT, RequestId(flight.request_id), time.time(), state=self._state(flight)))
+
     def _state(self, flight: InFlight) -> FlightState:
         rid = flight.request_id
         return flight_state(flight, self._classes.get(rid), self._hashes.get(rid, ()))

@@ -246,6 +246,7 @@ class SchedulerService:
         if tenant is None:
             return None
         entry = s.journal.get(rid)
+        known = entry is not None
         if entry is None:
             entry = JournalEntry.for_request(st.desc, tenant.cfg.slo, self.cfg.batch_deadline_s, seed=st.seed)
             s.journal.add(entry)
@@ -256,6 +257,8 @@ class SchedulerService:
         else:
             s.ledger.close(rid)
             s._preempted.remove(rid)  # the data plane runs it: it is not waiting for resumption
+        # Stopped by the ingress itself (an interactive request found no row), not rebuilt.
+        newly_preempted = known and st.phase is Phase.PREEMPTED and entry.phase is not Phase.PREEMPTED
         s.journal.move(rid, st.prefill_worker, st.decode_worker, st.phase)
         if st.num_output_tokens != entry.num_output_tokens:
             entry.num_output_tokens = st.num_output_tokens
@@ -263,6 +266,9 @@ class SchedulerService:
         entry.first_token_time = st.first_token_time
         entry.last_token_time = st.last_token_time
         entry.num_recoveries = max(entry.num_recoveries, st.num_recoveries)
+        if newly_preempted:
+            s.counters.num_preempted += 1
+            s.timelines.stamp(rid, Stage.PREEMPTED, now)
         if st.phase is Phase.PREEMPTED:
             recovery.queue_preempted(s, entry, now)
             return entry

@@ -2,7 +2,8 @@
 worker handles (no Ray): a request refused for lack of rows waits and gets the next free row
 instead of a 429; interactive requests get rows before batch ones that waited longer; a new
 request does not jump the queue unless it outranks it; a wait past `room_wait_s` is refused;
-`room_wait_s=0` refuses at once, as before."""
+`room_wait_s=0` refuses at once, as before; an interactive request that finds no row stops its
+client's batch row that is cheapest to recompute."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from actors.errors import NoCapacity
 from actors.messages import GenerationRequest
 from actors.pd_client import PDClient
 from actors.placement import PlacementChoice
+from actors.recovery import DECODING, PREEMPTED, InFlight
 from actors.room import RoomQueue
 from actors.worker_config import ClientConfig
 from tests.actors.workers.test_replacement import Method
@@ -128,3 +130,52 @@ def test_a_wait_past_room_wait_s_is_refused_and_zero_refuses_at_once() -> None:
 
     assert asyncio.run(main(0.3)) == pytest.approx(0.3, abs=0.2)
     assert asyncio.run(main(0.0)) < 0.1
+
+
+class Scheduled:
+    """A `ScheduledPlacement` that only records what the client tells it."""
+
+    available = True
+
+    def __init__(self) -> None:
+        self.preempted: list[str] = []
+
+    def attach(self, source: object) -> None: ...
+    async def admit(self, *a: object) -> None: ...
+    async def recover(self, *a: object) -> None: ...
+    def on_placed(self, flight: object) -> None: ...
+    def on_stage(self, *a: object) -> None: ...
+    def on_tokens(self, *a: object) -> None: ...
+    def on_done(self, *a: object) -> None: ...
+
+    def on_preempted(self, flight: InFlight) -> None:
+        self.preempted.append(flight.request_id)
+
+
+def test_an_interactive_request_without_a_row_stops_the_cheapest_batch_row_of_its_client() -> None:
+    decode = Decode(rows=2)
+
+    async def abort(rid: str) -> bool:
+        decode.taken.remove(rid)
+        return True
+
+    decode.abort = Method(abort)  # type: ignore[attr-defined]
+    scheduled = Scheduled()
+
+    async def main() -> tuple[str, PDClient]:
+        c = PDClient({}, {"d0": decode}, ClientConfig(room_wait_s=5.0), placement=scheduled)  # type: ignore[dict-item, arg-type]
+        assert c.scheduled is scheduled
+        c.room.poll_s = 0.02
+        for rid, streamed in (("long", 30), ("short", 3)):  # two batch rows decoding on d0
+            f = c.flights[rid] = InFlight(request(rid))
+            f.place(None, "d0", DECODING)
+            f.priority_rank, f.streamed = 1, list(range(streamed))
+            f.mark_issued()
+            assert await decode.announce.remote(f.req)
+        got = await c._announce_queued(request("online"), PlacementChoice("p0", ("d0",), priority=(0, 0.0)))
+        return got, c
+
+    got, c = asyncio.run(main())
+    assert got == "d0" and decode.taken == ["long", "online"]
+    assert scheduled.preempted == ["short"] and c.flights["short"].phase == PREEMPTED  # cheapest to recompute
+    assert c.flights["long"].phase == DECODING and c.num_preempted == 1

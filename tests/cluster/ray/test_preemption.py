@@ -152,6 +152,21 @@ def test_a_preempted_request_rebuilt_after_a_restart_waits_for_a_row_then_is_res
     svc.check_integrity()
 
 
+def test_a_row_the_ingress_stopped_itself_is_queued_and_resumed_like_the_schedulers() -> None:
+    svc = service()
+    decoding(svc, "b", "b1", 1)
+    f = InFlight(request("b1", "batch"))
+    f.streamed, f.emitted_tokens = [9, 9], 2
+    f.phase = PREEMPTED  # PDClient._make_room stopped it for an interactive request of its own
+    ack = svc.report("b", [(2, [FlightEvent(EventKind.ADOPT, RequestId("b1"), time.time(), state=flight_state(f))])])
+    assert svc.stats().num_preempted == 1
+    (resumed,) = ack.resume  # queued for resumption, and d0 has a free row: placed in the same report
+    assert resumed.request_id == "b1" and resumed.resume_from_token == 2
+    entry = svc.sched.journal.get(RequestId("b1"))
+    assert entry is not None and entry.phase is Phase.QUEUED and entry.decode_worker == "d0"
+    svc.check_integrity()
+
+
 def test_a_preempted_request_no_ingress_streams_is_cancelled_when_resumed() -> None:
     svc = service()
     for rid in ("x1", "x2"):  # submitted anonymously, reported by nobody
