@@ -445,7 +445,7 @@ class PDClient:
         freed, stop this caller's batch row on it that is cheapest to recompute (the scheduler
         hears of it and resumes it later). The scheduler preempts at admission from its own
         view; this covers a view that lagged (a row it counted free was taken meanwhile)."""
-        if self.scheduled is None or self._freeing.get(decode):
+        if self.scheduled is None or not self.scheduled.preempt_batch or self._freeing.get(decode):
             return
         victims = [f for f in self.flights.values()
                    if f.decode == decode and f.phase == DECODING and f.priority_rank > 0 and f.issued.is_set()]

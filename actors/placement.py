@@ -92,10 +92,14 @@ class ScheduledPlacement(Protocol):
       where to resume it or the exception to fail it with;
     - the `on_*` notifications never block and never raise (they are batched);
     - `attach` is called once by the caller that owns the flights;
-    - `available` is False while the control plane is not answering."""
+    - `available` is False while the control plane is not answering;
+    - `preempt_batch`: the caller may stop batch rows for interactive requests itself."""
 
     @property
     def available(self) -> bool: ...
+
+    @property
+    def preempt_batch(self) -> bool: ...
 
     def attach(self, source: FlightSource) -> None: ...
 

@@ -116,6 +116,7 @@ class SchedulerPlacement:
             logger.warning("scheduler hash_block_size %d != engine block size %d: no prefix affinity",
                            sched_cfg.placement.hash_block_size, self.cfg.block_size)
         self._batch_deadline_s = sched_cfg.batch_deadline_s
+        self.preempt_batch = sched_cfg.placement.preempt_batch
         self.local = LeastLoaded()
         self.stats = LinkStats()
         self._source: FlightSource | None = None

@@ -137,7 +137,8 @@ class Scheduled:
 
     available = True
 
-    def __init__(self) -> None:
+    def __init__(self, preempt_batch: bool = True) -> None:
+        self.preempt_batch = preempt_batch
         self.preempted: list[str] = []
 
     def attach(self, source: object) -> None: ...
@@ -160,9 +161,8 @@ def test_an_interactive_request_without_a_row_stops_the_cheapest_batch_row_of_it
         return True
 
     decode.abort = Method(abort)  # type: ignore[attr-defined]
-    scheduled = Scheduled()
 
-    async def main() -> tuple[str, PDClient]:
+    async def main(scheduled: Scheduled) -> tuple[str, PDClient]:
         c = PDClient({}, {"d0": decode}, ClientConfig(room_wait_s=5.0), placement=scheduled)  # type: ignore[dict-item, arg-type]
         assert c.scheduled is scheduled
         c.room.poll_s = 0.02
@@ -172,10 +172,18 @@ def test_an_interactive_request_without_a_row_stops_the_cheapest_batch_row_of_it
             f.priority_rank, f.streamed = 1, list(range(streamed))
             f.mark_issued()
             assert await decode.announce.remote(f.req)
+        if not scheduled.preempt_batch:
+            c.cfg = ClientConfig(room_wait_s=0.2)
         got = await c._announce_queued(request("online"), PlacementChoice("p0", ("d0",), priority=(0, 0.0)))
         return got, c
 
-    got, c = asyncio.run(main())
+    scheduled = Scheduled(preempt_batch=False)  # turned off: the interactive request waits, then 429
+    with pytest.raises(NoCapacity):
+        asyncio.run(main(scheduled))
+    assert decode.taken == ["long", "short"] and not scheduled.preempted
+    decode.taken.clear()
+    scheduled = Scheduled()
+    got, c = asyncio.run(main(scheduled))
     assert got == "d0" and decode.taken == ["long", "online"]
     assert scheduled.preempted == ["short"] and c.flights["short"].phase == PREEMPTED  # cheapest to recompute
     assert c.flights["long"].phase == DECODING and c.num_preempted == 1
