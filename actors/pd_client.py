@@ -24,6 +24,11 @@ scheduler to place it again; then it runs as a new attempt from the tokens alrea
 exactly like a recovery, so the client sees one stream with a pause. A scheduler that stays
 silent (down, or `RecoveryConfig.resume_wait_s` passed) leaves the placement to the local policy.
 
+Room (`actors/room.py`): a new request whose decode workers all refuse its announce for lack of rows
+waits in the room queue (interactive first) for up to `ClientConfig.room_wait_s` instead of failing
+at once; an interactive one that finds no row also stops this client's cheapest batch row there
+(`_make_room`) when the scheduler allows preemption.
+
 Replacement: with a `replacer` (the deployment, `PDDeployment.replace`), every worker declared
 dead is replaced by a fresh actor of the same name, in the background, retried with backoff up to
 `RecoveryConfig.replace_attempts` times; the new handle takes the old one's place and the name
