@@ -342,8 +342,11 @@ class SchedulerPlacement:
         decodes = [w for w in loads.values() if w.kind == "decode"]
         for p in placements:
             flight = flights.get(p.request_id)
-            if flight is None or flight.phase != PREEMPTED:
+            if flight is None:
                 continue  # finished or cancelled meanwhile (its event tells the scheduler)
+            if flight.phase != PREEMPTED:  # never stopped (its submit's answer was lost): it runs where it is
+                self._readopt([p.request_id])
+                continue
             try:
                 choice = self._choice(flight.resume_request(), p.prefill_worker, p.decode_worker, prefills, decodes,
                                       p.local_chunk_tokens, (p.priority.class_rank, p.priority.key_s))

@@ -220,7 +220,7 @@ class _Actor:
     def __init__(self, placement: Placement, acks: list[ReportAck]) -> None:
         self.placement, self.acks = placement, acks
         self.delivered: list[Any] = []
-        self.sent: list[FlightEvent] = []
+        self.batches: dict[int, list[FlightEvent]] = {}  # by sequence number (re-sends overwrite)
 
     def __getattr__(self, method: str) -> object:
         async def call(*args: Any) -> object:
@@ -228,7 +228,7 @@ class _Actor:
                 return self.placement
             assert method == "report", method
             self.delivered.append(args[4])
-            self.sent.extend(e for _, batch in args[1] for e in batch)  # type: ignore[attr-defined]
+            self.batches.update((seq, list(batch)) for seq, batch in args[1])  # type: ignore[attr-defined]
             return self.acks.pop(0) if self.acks else ReportAck("inc", False, 0, 0)
 
         return SimpleNamespace(remote=call)
@@ -247,7 +247,8 @@ def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_r
     other = InFlight(request("v3", "batch"))
     other.place("p0", "d1", DECODING)
     acks = [ReportAck("inc", False, 0, 0, notice_seq=4, preempt=(RequestId("v3"),)),
-            ReportAck("inc", False, 0, 0, notice_seq=5, resume=(placement("v1", "d1", chunk=48),))]
+            # v1 runs again on d1; the scheduler also thinks v2 was stopped and resumes it
+            ReportAck("inc", False, 0, 0, notice_seq=6, resume=(placement("v1", "d1", chunk=48), placement("v2")))]
     actor = _Actor(placement("o1", preempt=("v1", "v2", "gone")), acks)
     source = _Source([stopping, moving, other])
 
@@ -271,10 +272,11 @@ def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_r
     assert stopping.phase == PREEMPTED and other.phase == PREEMPTED and moving.phase == "prefilling"
     # A resume runs on its decode worker, recomputing in the scheduler's chunks.
     assert source.resumed == {"v1": PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48, priority=(0, 0.0))}
-    readopted = [e for e in actor.sent if e.kind is EventKind.ADOPT]
-    assert {e.request_id for e in readopted} == {"v2"}  # the scheduler learns v2 still runs (re-sent: no acks)
+    readopted = [e for batch in actor.batches.values() for e in batch if e.kind is EventKind.ADOPT]
+    # The scheduler learns v2 still runs: when it could not stop, and again when it was "resumed".
+    assert [e.request_id for e in readopted] == ["v2", "v2"] and "v2" not in source.resumed
     # What the link has seen goes back with every report, so nothing is acted on twice.
-    assert actor.delivered[0] is None and ("inc", 4) in actor.delivered and actor.delivered[-1] == ("inc", 5)
+    assert actor.delivered[0] is None and ("inc", 4) in actor.delivered and actor.delivered[-1] == ("inc", 6)
 
 
 # ---- live: Ray actors, the scheduler actor, a tiny model ------------------------------------
