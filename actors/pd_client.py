@@ -17,17 +17,14 @@ excluded from placement for good, and the request waits for its turn in a recove
 urgent first), then resumes on healthy workers from the tokens already streamed. The consumer
 sees one uninterrupted stream.
 
-Preemption (`preempt`, `resume`; the scheduler's orders, relayed by a `ScheduledPlacement`): a
-decoding batch request gives its decode row to more urgent work. Its row is aborted on the
-worker (blocks freed at once), the client's stream stays open, and the request waits for the
-scheduler to place it again; then it runs as a new attempt from the tokens already streamed,
-exactly like a recovery, so the client sees one stream with a pause. A scheduler that stays
-silent (down, or `RecoveryConfig.resume_wait_s` passed) leaves the placement to the local policy.
+Preemption (`preempt`, `resume`: the scheduler's orders, carried out by `actors/preemption.py`):
+a decoding batch request gives its decode row to more urgent work and resumes later from its
+tokens, like a recovery; the client sees one stream with a pause.
 
 Room (`actors/room.py`): a new request whose decode workers all refuse its announce for lack of rows
 waits in the room queue (interactive first) for up to `ClientConfig.room_wait_s` instead of failing
 at once; an interactive one that finds no row also stops this client's cheapest batch row there
-(`_make_room`) when the scheduler allows preemption.
+(`Preemptions.make_room`) when the scheduler allows preemption.
 
 Replacement: with a `replacer` (the deployment, `PDDeployment.replace`), every worker declared
 dead is replaced by a fresh actor of the same name, in the background, retried with backoff up to
@@ -57,6 +54,7 @@ from actors.placement import (LeastLoaded, NoWorkers, Placement, PlacementChoice
                               ScheduledPlacement)
 from actors.recovery import (DECODING, PREEMPTED, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator,
                              StreamBroken, is_worker_failure)
+from actors.preemption import Preemptions
 from actors.room import RoomQueue
 from actors.worker_config import ClientConfig
 
@@ -95,12 +93,6 @@ def _discard(stream: Any, timeout_s: float = 120.0) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-async def _settled(ref: Awaitable[Any]) -> None:
-    """Waits for `ref` whatever it ends with (its error is the caller's to ignore)."""
-    with contextlib.suppress(Exception):
-        await ref
-
-
 class PDClient:
     def __init__(self, prefills: Mapping[str, ActorHandle], decodes: Mapping[str, ActorHandle],
                  cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
@@ -118,9 +110,7 @@ class PDClient:
         self.replacer = replacer
         self.replacing: dict[str, asyncio.Task[None]] = {}
         self.num_replaced = 0
-        self.num_preempted = 0
-        self.num_resumed_locally = 0  # preempted requests the scheduler did not place in time
-        self._freeing: dict[str, list[Any]] = {}  # decode worker -> aborts of preempted rows under way
+        self.preemptions = Preemptions(self)
         self.room = RoomQueue()  # new requests waiting for a decode row, most urgent first
         self.replaced_at = float("-inf")  # time.monotonic() of the last replacement
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
@@ -154,7 +144,7 @@ class PDClient:
                     return
                 except Exception as e:
                     if flight.phase == PREEMPTED:  # the row was taken on purpose: wait for a new one
-                        choice = await self._await_resume(flight)
+                        choice = await self.preemptions.wait_resumed(flight)
                         flight.next_attempt()
                         continue
                     if not is_worker_failure(e, flight.attempt):
@@ -223,67 +213,12 @@ class PDClient:
                 dead = frozenset()  # a retry: the dead workers' round has been planned
 
     def preempt(self, request_id: str) -> bool | None:
-        """Stops `request_id`'s decode row now (its stream stays open; see the module notes).
-        True: stopped (now or before); False: it cannot be stopped now (its KV is still being
-        computed or moved, or it is between attempts) and keeps running; None: not in flight."""
-        flight = self.flights.get(request_id)
-        if flight is None:
-            return None
-        if flight.phase == PREEMPTED:
-            return True
-        decode = flight.decode
-        if flight.phase != DECODING or decode is None or not flight.issued.is_set():
-            return False
-        worker_rid = flight.worker_request_id
-        flight.preempt()
-        self.num_preempted += 1
-        # The stream ends with the abort and the blocks are freed; announces to that worker wait
-        # for it, so the request that took the row finds it free.
-        self._freeing.setdefault(decode, []).append(self.decodes[decode].abort.remote(worker_rid))
-        logger.info("%s: preempted on %s after %d tokens", request_id, decode, len(flight.streamed))
-        return True
+        """Stops `request_id`'s decode row now, its stream kept open (`Preemptions.stop`)."""
+        return self.preemptions.stop(request_id)
 
     def resume(self, request_id: str, choice: PlacementChoice) -> bool:
-        """Where a preempted request runs next; False if it is not waiting (finished, gone, or
-        already placed again)."""
-        flight = self.flights.get(request_id)
-        if flight is None or flight.resume_at is None or flight.resume_at.done():
-            return False
-        flight.resume_at.set_result(choice)
-        return True
-
-    async def _await_resume(self, flight: InFlight) -> PlacementChoice:
-        """The placement of a preempted request: the scheduler's (`resume`), or the local
-        policy's when the scheduler is unreachable or has not answered in `resume_wait_s`. It
-        then lets interactive requests waiting for a row go first (a resume takes a row without
-        asking for one), up to the same deadline."""
-        assert flight.resume_at is not None
-        deadline = time.monotonic() + self.recovery_cfg.resume_wait_s
-        choice = await self._resume_choice(flight, deadline)
-        while self.room.interactive_waiting() and time.monotonic() < deadline:
-            await asyncio.sleep(self.room.poll_s)
-        return choice
-
-    async def _resume_choice(self, flight: InFlight, deadline: float) -> PlacementChoice:
-        assert flight.resume_at is not None
-        while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(flight.resume_at), 0.5)
-            except asyncio.TimeoutError:
-                pass
-            if self.scheduled is not None and self.scheduled.available and time.monotonic() < deadline:
-                continue
-            loads = await self.loads()
-            try:
-                choice = self.local_placement.place(flight.resume_request(), [loads[n] for n in self.prefills],
-                                                    [loads[n] for n in self.decodes])
-            except NoWorkers:
-                continue  # a replacement may be starting; the scheduler may still answer
-            if not flight.resume_at.done():
-                flight.resume_at.set_result(choice)
-                self.num_resumed_locally += 1
-                logger.warning("%s: preempted and not placed again by the scheduler; resuming on %s",
-                               flight.request_id, choice.decodes[0])
+        """Where a preempted request runs next (`Preemptions.resume`)."""
+        return self.preemptions.resume(request_id, choice)
 
     async def _attempt(self, flight: InFlight, choice: PlacementChoice) -> AsyncIterator[TokenEvent]:
         """One try at running `flight` where `choice` says; events are journaled as they pass."""
@@ -434,7 +369,7 @@ class PDClient:
         try:
             while True:
                 if rank == 0:
-                    self._make_room(choice.decodes[0])
+                    self.preemptions.make_room(choice.decodes[0])
                 if not await self.room.turn(ticket, deadline - time.monotonic()):
                     break
                 try:
@@ -445,27 +380,9 @@ class PDClient:
         finally:
             self.room.leave(ticket)
 
-    def _make_room(self, decode: str) -> None:
-        """An interactive request found no row on `decode`: unless a row there is already being
-        freed, stop this caller's batch row on it that is cheapest to recompute (the scheduler
-        hears of it and resumes it later). The scheduler preempts at admission from its own
-        view; this covers a view that lagged (a row it counted free was taken meanwhile)."""
-        if self.scheduled is None or not self.scheduled.preempt_batch or self._freeing.get(decode):
-            return
-        victims = [f for f in self.flights.values()
-                   if f.decode == decode and f.phase == DECODING and f.priority_rank > 0 and f.issued.is_set()]
-        if not victims:
-            return
-        victim = min(victims, key=lambda f: (f.req.num_prompt_tokens + len(f.streamed), f.request_id))
-        if self.preempt(victim.request_id):
-            self.scheduled.on_preempted(victim)
-
     async def _announce(self, req: GenerationRequest, decodes: tuple[str, ...]) -> str:
         for name in decodes:
-            freeing = self._freeing.pop(name, None)
-            if freeing:
-                await asyncio.wait([asyncio.ensure_future(_settled(r)) for r in freeing],
-                                   timeout=self.cfg.call_timeout_s)
+            await self.preemptions.wait_freed(name, self.cfg.call_timeout_s)
             try:
                 if await self._bounded(self.decodes[name].announce.remote(req), self.cfg.call_timeout_s,
                                        f"announce of {req.request_id} on {name}"):

@@ -144,8 +144,7 @@ class Engine:
         `max_chunk_tokens`: in steps that also decode other requests, compute at most this many of
         its prompt tokens, however much of the step budget is left, and no more than that with the
         other capped prompts of the step together (a decode worker prefilling prompts between its
-        rows' decode steps). `priority_rank`: 0 interactive, 1 batch; while requests wait for
-        room, smaller ranks are admitted first (arrival order within a rank)."""
+        rows' decode steps). `priority_rank` (0 interactive, 1 batch): smaller ranks wait less."""
         if max_chunk_tokens is not None and max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,

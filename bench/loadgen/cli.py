@@ -196,7 +196,8 @@ def run_bench(a: argparse.Namespace) -> int:
     print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment))
     tenants = tenant_table(results)
     if tenants:
-        print("\nper tenant (and batch rows the scheduler preempted / resumed, from /health):\n" + tenants, file=notes)
+        print("\nper tenant (and batch rows preempted / resumed, the ingress's counts in /health):\n" + tenants,
+              file=notes)
     memory = memory_table(results)
     if memory:
         print("\nworker memory (resident MiB, from /health) before and after each rate:\n" + memory, file=notes)

@@ -30,7 +30,7 @@ class RatePoint:
     e2el_s: list[float]
     # worker -> resident MiB (before the rate, after it), from the server's /health; {} if it says none
     memory_mib: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
-    # batch rows the server's scheduler preempted and resumed during the rate; None if it says none
+    # batch rows preempted and resumed during the rate (the ingress's counts); None if it says none
     preemptions: tuple[int, int] | None = None
 
     @staticmethod
@@ -181,7 +181,7 @@ def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: 
              "P99 ITL ms", "P99 E2E ms"], sweep), "```", ""]
     tenants = tenant_table(results)
     if tenants:
-        lines += ["## Tenants", "", "SLO attainment per tenant; batch rows the scheduler preempted and resumed during",
+        lines += ["## Tenants", "", "SLO attainment per tenant; batch rows preempted and resumed (the ingress's counts) during",
                   "each rate (from `/health`).", "", "```", tenants, "```", ""]
     memory = memory_table(results)
     if memory:

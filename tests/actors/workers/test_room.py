@@ -186,4 +186,4 @@ def test_an_interactive_request_without_a_row_stops_the_cheapest_batch_row_of_it
     got, c = asyncio.run(main(scheduled))
     assert got == "d0" and decode.taken == ["long", "online"]
     assert scheduled.preempted == ["short"] and c.flights["short"].phase == PREEMPTED  # cheapest to recompute
-    assert c.flights["long"].phase == DECODING and c.num_preempted == 1
+    assert c.flights["long"].phase == DECODING and c.preemptions.num_preempted == 1

@@ -157,7 +157,7 @@ def test_a_row_the_ingress_stopped_itself_is_queued_and_resumed_like_the_schedul
     decoding(svc, "b", "b1", 1)
     f = InFlight(request("b1", "batch"))
     f.streamed, f.emitted_tokens = [9, 9], 2
-    f.phase = PREEMPTED  # PDClient._make_room stopped it for an interactive request of its own
+    f.phase = PREEMPTED  # Preemptions.make_room stopped it for an interactive request of its own
     ack = svc.report("b", [(2, [FlightEvent(EventKind.ADOPT, RequestId("b1"), time.time(), state=flight_state(f))])])
     assert svc.stats().num_preempted == 1
     (resumed,) = ack.resume  # queued for resumption, and d0 has a free row: placed in the same report
@@ -346,8 +346,8 @@ def test_an_interactive_request_takes_a_batch_row_which_resumes_exactly_when_a_r
     finally:
         del live.client.preempt
     assert_same_as_failure_free(streams, want)  # exactly the tokens and text of uninterrupted runs
-    assert live.client.num_preempted == 1 and live.link.stats.num_preempted == 1
-    assert live.link.stats.num_resumed == 1 and live.client.num_resumed_locally == 0
+    assert live.client.preemptions.num_preempted == 1 and live.link.stats.num_preempted == 1
+    assert live.link.stats.num_resumed == 1 and live.client.preemptions.num_resumed_locally == 0
     stats = ray.get(live.scheduler.stats.remote(), timeout=30)
     assert (stats.num_preempted, stats.num_resumed) == (1, 1)
     # The victim paused: nothing streamed from its preemption (plus what was already on its way)
