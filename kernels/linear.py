@@ -51,7 +51,18 @@ def prepack(weight: torch.Tensor, rows_hint: int = PACK_ROWS_HINT) -> torch.Tens
     (oneDNN picks its blocking for it); any row count works."""
     if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2 or not packing_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
+    if weight.dtype in _UNPACKABLE:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
+    except RuntimeError:
+        # oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT); on an AVX2-only CPU the reorder
+        # refuses, and F.linear (which converts on the fly) is the path left.
+        _UNPACKABLE.add(weight.dtype)
+        return None
+
+
+_UNPACKABLE: set[torch.dtype] = set()  # dtypes this CPU's oneDNN refused to pack
 
 
 ONEDNN_CACHE_ENTRIES = 128

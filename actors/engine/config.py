@@ -123,8 +123,19 @@ class EngineConfig:
     """Sizes of one engine: its KV block pool and its per-step budgets."""
 
     block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None  # None: derived from kv_cache_bytes, or planned (actors/engine/memory.py)
+    kv_cache_bytes: int | None = None  # None: planned from the memory left after weights and a profiled step
+    # Planning (kv_cache_bytes and num_blocks unset): the pool takes `kv_memory_fraction` of the memory left
+    # once the weights are loaded and a forward of `max_num_batched_tokens` has run (CUDA: free device
+    # memory; CPU: available RAM), times `kv_memory_share` (the part of this device or host that is this
+    # engine's: 1 / engines sharing it). On CPU it is also capped at `kv_cpu_max_bytes`. Never more than
+    # every row at full context needs.
+    kv_memory_fraction: float = 0.9
+    kv_memory_share: float = 1.0
+    kv_cpu_max_bytes: int = 2 * 1024 * 1024 * 1024
+    device: str = "auto"  # auto (cuda when torch sees one), cpu, cuda or cuda:N
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # capped at max_num_seqs
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's context length
@@ -142,6 +153,14 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         parse_dtype(self.dtype)
+        if not 0 < self.kv_memory_fraction <= 1 or not 0 < self.kv_memory_share <= 1:
+            raise ValueError("kv_memory_fraction and kv_memory_share must be in (0, 1]")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError("cuda_graph_batch_sizes must be positive")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 

@@ -27,9 +27,11 @@ from actors.engine.errors import (
     InvalidSamplingParams,
     TokenOutOfVocab,
 )
+from actors.engine.device import resolve_device
 from actors.engine.kv_cache_manager import KVCacheManager
+from actors.engine.memory import KVPlan, plan_kv_cache
 from actors.engine.model import CausalLM
-from actors.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_block
+from actors.engine.model_runner import ModelRunner, SeqChunk
 from actors.engine.output import EngineStats, OutputProcessor, RequestOutput, StepRecord
 from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import Sampler, SamplingParams, SamplingState
@@ -66,17 +68,18 @@ class Engine:
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
         dtype = parse_dtype(self.cfg.dtype)
+        self.device = resolve_device(self.cfg.device)
         self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
-        num_blocks = self.cfg.num_blocks or max(
-            1, self.cfg.kv_cache_bytes // kv_bytes_per_block(model.cfg, self.cfg.block_size, self.cfg.kv_dtype)
-        )
-        self.num_blocks = num_blocks
+        model = model.to(device=self.device, dtype=dtype)
+        if self.cfg.prepack_weights:
+            model.pack_weights()  # after .to(), which would drop the packed copies (a no-op off CPU)
+        self.kv_plan: KVPlan = plan_kv_cache(model, self.cfg, self.max_model_len)
+        logger.info("%s", self.kv_plan.describe())
+        num_blocks = self.num_blocks = self.kv_plan.num_blocks
         self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.cfg, self.kv)
-        self.runner = ModelRunner(model.to(dtype), num_blocks, self.cfg.block_size, self.cfg.kv_dtype)
-        if self.cfg.prepack_weights:
-            model.pack_weights()  # after .to(dtype), which would drop the packed copies
+        self.runner = ModelRunner(model, num_blocks, self.cfg.block_size, self.cfg.kv_dtype)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
@@ -107,13 +110,13 @@ class Engine:
         # would double the load-time peak and, through the allocator, the resident size after.
         with torch.device("meta"):
             net = CausalLM(loaded.config).to(parse_dtype(cfg.dtype))
-        net = net.to_empty(device="cpu")
+        net = net.to_empty(device=resolve_device(cfg.device))  # weights go straight to the device
         net.rope.reset_tables()  # derived from the config, not loaded: rebuild off the meta device
         net.load_weights(loaded.tensors)
         net.eval()
         del loaded
         _return_freed_memory()
-        logger.info("loaded %s in %.1fs", path, time.perf_counter() - t0)
+        logger.info("loaded %s on %s in %.1fs", path, cfg.device, time.perf_counter() - t0)
         return cls(net, tokenizer, cfg)
 
     # ----------------------------------------------------------------------------------- requests

@@ -124,6 +124,7 @@ class ModelRunner:
         layers = layers if layers is not None else range(len(self.kv_caches))
         assert kv.shape[0] == len(layers) and kv.shape[2] == len(block_ids), (tuple(kv.shape), len(block_ids))
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        kv = kv.to(self.device)  # KV decoded on the host (pool fetches, host-staged transports)
         for i, layer in enumerate(layers):
             c = self.kv_caches[layer]
             for j, (cache, scale) in enumerate(((c.k, c.k_scale), (c.v, c.v_scale))):

@@ -58,7 +58,9 @@ def test_packed_path_matches_f_linear(rows: int, dtype: torch.dtype, with_bias: 
     x = torch.randn(rows, 96, generator=g).to(dtype)
     w = torch.randn(130, 96, generator=g).to(dtype)
     b = torch.randn(130, generator=g).to(dtype) if with_bias else None
-    packed = prepack(w)
+    packed = prepack(w)  # never raises: None where this CPU's oneDNN refuses the dtype
+    if packed is None and dtype == torch.bfloat16:
+        pytest.skip("this CPU's oneDNN cannot pack bfloat16 (needs AVX-512 or AVX-NE-CONVERT)")
     assert packed is not None and packed.dtype == dtype
     out = linear(x, w, b, packed)
     want = F.linear(x, w, b)
@@ -160,6 +162,8 @@ def _cache_probe(entries: str, env: dict[str, str]) -> dict:
 def test_bounded_onednn_caches_stop_growing_with_new_shapes() -> None:
     """200 row counts never seen before: with oneDNN's defaults every one stays cached with its
     scratch memory; bounded at 8 entries, only the last few do; an engine bounds them at 128."""
+    if prepack(torch.zeros(16, 16, dtype=torch.bfloat16)) is None:
+        pytest.skip("this CPU's oneDNN cannot pack bfloat16: the probe's matmuls build no cached primitives")
     unbounded = _cache_probe("unset", {})
     bounded = _cache_probe("8", {})
     assert bounded["env"] == {name: "8" for name in ONEDNN_CACHE_VARIABLES}
