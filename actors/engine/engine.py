@@ -27,6 +27,7 @@ from actors.engine.errors import (
     InvalidSamplingParams,
     TokenOutOfVocab,
 )
+from actors.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from actors.engine.device import resolve_device
 from actors.engine.kv_cache_manager import KVCacheManager
 from actors.engine.memory import KVPlan, plan_kv_cache
@@ -79,7 +80,11 @@ class Engine:
         num_blocks = self.num_blocks = self.kv_plan.num_blocks
         self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.cfg, self.kv)
-        self.runner = ModelRunner(model, num_blocks, self.cfg.block_size, self.cfg.kv_dtype)
+        use_graphs = self.device.type == "cuda" and not self.cfg.enforce_eager and not model.cfg.is_moe
+        self.runner = ModelRunner(model, num_blocks, self.cfg.block_size, self.cfg.kv_dtype, pad_block=use_graphs)
+        if use_graphs:
+            self.runner.graphs = DecodeGraphs(
+                self.runner, graph_buckets(self.cfg.cuda_graph_batch_sizes, self.cfg.max_num_seqs), self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)

@@ -8,12 +8,16 @@ blocks, and give me logits for the last one if asked". The runner puts single-to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from actors.engine.config import ModelConfig
 from actors.engine.model import CausalLM, KVCache
 from kernels import AttentionMetadata, dequantize_int8, quantize_int8
+
+if TYPE_CHECKING:
+    from actors.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -31,16 +35,21 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 *, pad_block: bool = False) -> None:
         """`kv_dtype` is the model's dtype, or torch.int8 for quantized KV storage (per-(token,
-        head) scales; about half the bytes of bf16, so twice the blocks in the same memory)."""
+        head) scales; about half the bytes of bf16, so twice the blocks in the same memory).
+        `pad_block`: one more block, `num_blocks`, outside the pool: padded rows of a captured
+        decode step (actors/engine/cuda_graphs.py) write and read only there."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.model_dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_dtype
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.pad_block: int | None = num_blocks if pad_block else None
+        self.graphs: DecodeGraphs | None = None  # set by the engine when it captures them
+        shape = (num_blocks + int(pad_block), block_size, cfg.num_kv_heads, cfg.head_dim)
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -55,7 +64,9 @@ class ModelRunner:
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Runs one forward over all chunks; returns float32 logits [num_chunks_needing_logits, V]
-        in the order of `chunks`."""
+        in the order of `chunks`. A decode-only step replays a captured graph when there is one."""
+        if self.graphs is not None and self.graphs.supports(chunks):
+            return self.graphs.run(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
         bs = self.block_size
