@@ -245,11 +245,16 @@ def _kept_head(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Ten
 
 def draw(probs: torch.Tensor, u: float) -> int:
     """Inverse CDF over `probs` [vocab] (unnormalised, in token-id order) at uniform u in [0, 1)."""
+    return int(draw_index(probs, u))
+
+
+def draw_index(probs: torch.Tensor, u: float) -> torch.Tensor:
+    """`draw` as a 0-dim int64 tensor on the probs' device: no device->host copy."""
     cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
     # right=True lands on the first token whose cdf exceeds the target; a zero-probability token
     # shares its predecessor's cdf and so can never be that first one.
-    idx = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
-    return idx if idx < probs.numel() else int(probs.argmax())
+    idx = torch.searchsorted(cdf, cdf[-1:] * u, right=True)[0]
+    return torch.where(idx < probs.numel(), idx, probs.argmax())  # past the end: only NaN/inf mass
 
 
 def _token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
@@ -278,15 +283,16 @@ class Sampler:
         bans = [(j, t) for j, i in enumerate(simple) for t in _banned_tokens(states[i], eos_token_ids) if t < vocab]
         if len(simple) == len(states) and not bans:
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(states))
-        token_ids: list[int] = [0] * len(states)
-        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        # Every row's token lands in one device tensor, read back to the host once (the step's one
+        # device->host copy; logprobs, when asked for, add one per row that asks, and top-p without
+        # top-k one per widening of its search).
+        ids = torch.empty(len(states), dtype=torch.int64, device=logits.device)
         if simple:
             rows = logits[simple] if len(simple) < len(states) else logits.clone()
             if bans:
                 r, c = zip(*bans)
                 rows[list(r), list(c)] = float("-inf")
-            for i, token in zip(simple, rows.argmax(dim=-1).tolist()):
-                token_ids[i] = token
+            ids[simple] = rows.argmax(dim=-1)
         # The rest row by row on purpose: a row's result must not depend on the batch it sits in.
         done = set(simple)
         for i, (raw, state) in enumerate(zip(logits, states)):
@@ -295,12 +301,13 @@ class Sampler:
             p = state.params
             row = process_logits(raw, state, eos_token_ids)
             if p.is_greedy:
-                token = int(row.argmax())
+                ids[i] = row.argmax()
             else:
-                u = uniform_for(state.seed, len(state.output_token_ids))
-                token = draw(filter_probs(row, p), u)
-            token_ids[i] = token
-            logprobs[i] = None if p.logprobs is None else _token_logprobs(raw, token, p.logprobs)
+                ids[i] = draw_index(filter_probs(row, p), uniform_for(state.seed, len(state.output_token_ids)))
+        token_ids: list[int] = ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [
+            None if s.params.logprobs is None else _token_logprobs(raw, token, s.params.logprobs)
+            for raw, s, token in zip(logits, states, token_ids)]
         return SampleResult(token_ids, logprobs)
 
     @staticmethod
