@@ -1,9 +1,9 @@
 """Where an engine runs, and how much memory that place has left.
 
 Mental model: the engine asks three questions of its device and nothing else branches on it:
-which `torch.device` "auto" means here, how many bytes are free for its KV pool, and how many
-bytes one profiled forward needed at its peak. CUDA answers from the caching allocator and the
-driver; CPU from the kernel (/proc, and the cgroup limit when the process runs in one). The KV
+which `torch.device` "auto" means here, how many bytes are free for its KV pool, and (CUDA) how
+many bytes one profiled forward needed at its peak. CUDA answers from the caching allocator and
+the driver; CPU from the kernel (/proc/meminfo, and the cgroup limit when the process runs in one). The KV
 memory plan (actors/engine/memory.py) is built from these answers.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,48 +98,19 @@ def _cgroup_limit(root: Path) -> tuple[int, int] | None:
 
 
 class PeakMeter:
-    """Measures the peak extra memory of the code run inside `measure()` on one device.
-
-    CUDA: the caching allocator's peak of allocated bytes over the baseline. CPU: the process's
-    resident high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs) over the
-    resident size before; where the reset is not allowed, `peak_bytes` is None and the caller
-    falls back to an estimate."""
+    """The peak of CUDA memory allocated by the code run inside `measure()`, over what was
+    allocated before it (the caching allocator's own counters)."""
 
     def __init__(self, device: torch.device) -> None:
+        assert device.type == "cuda", "only CUDA allocations are metered (CPU plans estimate)"
         self.device = device
         self.peak_bytes: int | None = None
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            yield
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - base)
-            return
-        base = _reset_resident_peak()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
         yield
-        if base is not None:
-            self.peak_bytes = max(0, _read_kib_fields(Path("/proc/self/status"))["VmHWM"] - base)
-
-
-def _reset_resident_peak() -> int | None:
-    """Resets VmHWM to the current resident size; returns that size, or None if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _read_kib_fields(Path("/proc/self/status"))["VmRSS"]
-    except (OSError, KeyError) as e:
-        logger.info("cannot reset the resident peak (%s): the KV plan estimates the activations", e)
-        return None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.cuda.synchronize(self.device)
+        self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - base)
