@@ -39,7 +39,7 @@ from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout, encode
-from transfer.transport import KVTransport, SendStats
+from transfer.transport import KVTransport, SendStats, takes_device_shards
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,7 +119,8 @@ class PrefillWorker(ReportsTelemetry):
         tag = transfer_tag(req.request_id)
         shards = encode(kv, self.layout, compression=self.cfg.compression,
                         num_shards=min(self.cfg.num_shards, self.layout.num_layers),
-                        block_hashes=[*hashes[:n], *[0] * (n - len(hashes[:n]))], transfer_id=tag)
+                        block_hashes=[*hashes[:n], *[0] * (n - len(hashes[:n]))], transfer_id=tag,
+                        device=kv.device if kv.is_cuda and takes_device_shards(self.transport) else None)
         return kv, self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)
 
     def _read_held(self, request_id: str, num_blocks: int) -> torch.Tensor:

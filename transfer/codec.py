@@ -22,6 +22,15 @@ quantizers are kernels/'s, run on the KV's device, and these restate kernels/qua
   Bytes: ~0.5x of bf16.
 Both quantized modes then round x̂ to the KV dtype, which adds at most half an ulp of x̂ (2^-8 |x̂|
 for bf16, 2^-11 for fp16, 2^-24 for float32).
+
+Device shards (for transports that move GPU memory: cuda_ipc, NIXL with VRAM staging):
+`encode(kv, ..., device="cuda:0")` returns uint8 tensors on that GPU, quantized there, and
+`decode_shard` takes such a tensor and returns its KV on the shard's device, dequantized there. The
+KV payload itself never goes through the host, with one exception, the crc32 (zlib, host only):
+- `encode` copies each device shard's payload to the host once to compute its checksum;
+- `decode_shard(..., verify=True)`, the default, does the same to check it; `verify=False` skips
+  the checksum (and that copy) for a payload that only crossed one node's GPU memory.
+Apart from that only the header (`header_len` bytes, read before the payload) crosses to the host.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from kernels import dequantize_fp8, dequantize_int8_kv, quantize_fp8, quantize_i
 from kernels.quant import ceil_bf16
 from transfer import header
 from transfer.header import ShardHeader
-from transfer.transport import Buffer, CorruptShard, IncompatiblePeer, as_bytes_view
+from transfer.transport import Buffer, CorruptShard, IncompatiblePeer, as_bytes_view, is_tensor
 
 
 class Compression(enum.IntEnum):
@@ -141,8 +150,10 @@ def encode(
     num_shards: int = 1,
     block_hashes: Sequence[int] = (),
     transfer_id: int = 0,
-) -> list[bytearray]:
-    """Shards of one request's KV, one per layer group, in layer order."""
+    device: torch.device | str | None = None,
+) -> list[bytearray] | list[torch.Tensor]:
+    """Shards of one request's KV, one per layer group, in layer order: host bytearrays, or with
+    `device` uint8 tensors there (quantized on the KV's device either way; see the module notes)."""
     c = Compression.parse(compression)
     L, two, n, bs, H, D = kv.shape
     if (L, two, bs, H, D) != (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim):
@@ -153,13 +164,13 @@ def encode(
     if len(hashes) != n:
         raise ValueError(f"{len(hashes)} block hashes for {n} blocks")
     kv = kv.detach()
-    shards = []
+    out_device = None if device is None else torch.device(device)
+    shards: list = []
     for i, layers in enumerate(layer_groups(L, num_shards)):
         part = kv[layers.start : layers.stop]
-        if c is Compression.NONE:
-            pieces = [_bytes_of(part.cpu())]
-        else:
-            pieces = [_bytes_of(t.cpu()) for t in _quantize(part, c)]
+        pieces = [_bytes_of(t) for t in ((part,) if c is Compression.NONE else _quantize(part, c))]
+        if out_device is None:
+            pieces = [p.cpu() for p in pieces]
         sizes = [_padded(p.numel()) for p in pieces[:-1]] + [pieces[-1].numel()]
         h = ShardHeader(
             layout_id=layout.layout_id, transfer_id=transfer_id, raw_bytes=part.numel() * part.element_size(),
@@ -167,6 +178,9 @@ def encode(
             layer_end=layers.stop, shard_index=i, num_shards=num_shards, num_kv_heads=H, head_dim=D,
             dtype=_DTYPE_CODES[kv.dtype], compression=int(c), block_hashes=hashes,
         )
+        if out_device is not None:
+            shards.append(_device_shard(h, pieces, sizes, out_device))
+            continue
         out = bytearray(h.header_len + h.payload_bytes)
         view = memoryview(out)
         header.pack_into(view, h)
@@ -179,6 +193,33 @@ def encode(
     return shards
 
 
+def _device_shard(h: ShardHeader, pieces: list[torch.Tensor], sizes: list[int], device: torch.device) -> torch.Tensor:
+    """One shard as a uint8 tensor on `device`: pieces copied in place there, the header from the host."""
+    out = torch.empty(h.header_len + h.payload_bytes, dtype=torch.uint8, device=device)
+    at = h.header_len
+    for piece, size in zip(pieces, sizes):
+        out[at : at + piece.numel()].copy_(piece)
+        out[at + piece.numel() : at + size].zero_()  # padding: the checksum covers it
+        at += size
+    head = bytearray(h.header_len)
+    header.pack_into(memoryview(head), h)
+    # The one host copy of the payload on this side: zlib's crc32 runs on the host.
+    header.seal_split(memoryview(head), memoryview(out[h.header_len :].cpu().numpy()))
+    out[: h.header_len].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    return out
+
+
+def _unpack_device(shard: torch.Tensor, verify: bool) -> ShardHeader:
+    """Header of a uint8 tensor shard: the header bytes, and only they unless `verify`, read to the host."""
+    if shard.dtype != torch.uint8 or shard.dim() != 1:
+        raise ValueError(f"a tensor shard is a flat uint8 tensor, not {shard.dtype} of shape {tuple(shard.shape)}")
+    hlen = header.header_len_of(memoryview(shard[: header.PREFIX_BYTES].cpu().numpy()))
+    head = memoryview(shard[: max(header.PREFIX_BYTES, min(hlen, shard.numel()))].cpu().numpy())
+    if not verify:
+        return header.unpack_head(head, shard.numel(), None)
+    return header.unpack_head(head, shard.numel(), lambda: header.crc_split(head, memoryview(shard[hlen:].cpu().numpy())))
+
+
 def _view(shard: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     count = math.prod(shape) * dtype.itemsize
     with warnings.catch_warnings():  # a read-only buffer is fine: decode never writes into it
@@ -187,12 +228,19 @@ def _view(shard: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, 
     return raw.view(dtype).reshape(shape)
 
 
-def decode_shard(shard: Buffer, layout: KVLayout, device: torch.device | str | None = None) -> DecodedShard:
+def decode_shard(shard: Buffer, layout: KVLayout, device: torch.device | str | None = None, *,
+                 verify: bool = True) -> DecodedShard:
     """Validates one shard against `layout` and returns its KV in the sender's dtype, on `device`
-    (dequantized there; default CPU). On CPU with `none` the tensor is a view into `shard`: write
-    it into the pool before releasing the buffer."""
-    view = as_bytes_view(shard)
-    h = header.unpack(view)
+    (dequantized there; default: where the shard is, CPU for host bytes). With `none` and no
+    device change the tensor is a view into `shard`: write it into the pool before releasing the
+    buffer. `verify=False` skips the checksum (for a device shard: its one host copy)."""
+    tensor = shard if is_tensor(shard) else None
+    if tensor is not None:
+        h = _unpack_device(tensor, verify)
+        device = tensor.device if device is None else device
+    else:
+        view = as_bytes_view(shard)
+        h = header.unpack(view) if verify else header.unpack_head(view, len(view), None)
     if h.layout_id != layout.layout_id:
         raise IncompatiblePeer(f"peer's KV layout id {h.layout_id:#x} is not ours ({layout.layout_id:#x}: {layout})")
     if h.dtype not in _CODE_DTYPES or h.compression not in {int(m) for m in Compression}:
@@ -212,7 +260,7 @@ def decode_shard(shard: Buffer, layout: KVLayout, device: torch.device | str | N
         raise CorruptShard(f"payload of {h.payload_bytes} bytes, expected {expect} for {shape} {c.name}")
     tensors = []
     for (d, s), size in zip(pieces, sizes):
-        t = _view(view, at, d, s)
+        t = tensor[at : at + size].view(d).reshape(s) if tensor is not None else _view(view, at, d, s)
         tensors.append(t if device is None else t.to(device))
         at += _padded(size)
     if c is Compression.NONE:

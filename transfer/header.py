@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from transfer.transport import CorruptShard, IncompatiblePeer
+from transfer.transport import CorruptShard, IncompatiblePeer, is_tensor
 
 MAGIC = b"FKVS"
 VERSION = 2
@@ -102,33 +104,63 @@ def seal(shard: memoryview) -> None:
 
 def unpack(shard: memoryview) -> ShardHeader:
     """Validates a whole shard (header and payload) and returns its header."""
-    if len(shard) < _PREFIX.size:
-        raise CorruptShard(f"{len(shard)} bytes is too short for a KV shard")
-    magic, version, _, hlen, crc = _PREFIX.unpack_from(shard, 0)
+    return unpack_head(shard, len(shard), lambda: _crc(shard))
+
+
+def crc_split(head: memoryview, payload: memoryview) -> int:
+    """The checksum `seal` stores, of a shard held as its header (exactly `header_len` bytes) and its
+    payload apart: a device shard's payload is copied to the host for this, and only for this."""
+    return zlib.crc32(payload, _crc(head))
+
+
+def seal_split(head: memoryview, payload: memoryview) -> None:
+    """`seal` for a shard whose header and payload are held apart (see `crc_split`)."""
+    struct.pack_into("<I", head, _CRC_AT, crc_split(head, payload))
+
+
+def header_len_of(prefix: memoryview) -> int:
+    """The header length a shard's first `PREFIX_BYTES` declare (unchecked: `unpack_head` checks)."""
+    if len(prefix) < _PREFIX.size:
+        raise CorruptShard(f"{len(prefix)} bytes is too short for a KV shard")
+    return int(_PREFIX.unpack_from(prefix, 0)[3])
+
+
+def unpack_head(head: memoryview, shard_len: int, crc: Callable[[], int] | None) -> ShardHeader:
+    """Validates the header of a shard of `shard_len` bytes from its first bytes `head` (at least
+    its header length, when that fits the shard). `crc()` computes the checksum of the whole shard;
+    None skips it (the caller vouches for the payload, e.g. a device shard it chose not to copy)."""
+    if len(head) < _PREFIX.size:
+        raise CorruptShard(f"{len(head)} bytes is too short for a KV shard")
+    magic, version, _, hlen, stored = _PREFIX.unpack_from(head, 0)
     if magic != MAGIC:
         raise CorruptShard(f"bad magic {bytes(magic)!r}: not a ferry KV shard")
-    if hlen < _PREFIX.size or hlen > len(shard):
-        raise CorruptShard(f"header length {hlen} does not fit a shard of {len(shard)} bytes")
-    if _crc(shard) != crc:
+    if hlen < _PREFIX.size or hlen > shard_len or hlen > len(head):
+        raise CorruptShard(f"header length {hlen} does not fit a shard of {shard_len} bytes")
+    if crc is not None and crc() != stored:
         raise CorruptShard("checksum mismatch: the shard was damaged in flight")
     if version != VERSION:
         raise IncompatiblePeer(f"peer sent KV shard format version {version}; this side speaks {VERSION}")
-    f = _BODY.unpack_from(shard, _PREFIX.size)
+    if hlen < _PREFIX.size + _BODY.size:
+        raise CorruptShard(f"header length {hlen} is too short for a version {VERSION} header")
+    f = _BODY.unpack_from(head, _PREFIX.size)
     num_blocks = f[4]
     if header_len(num_blocks) != hlen:
         raise CorruptShard(f"header length {hlen} disagrees with {num_blocks} blocks")
     at = _PREFIX.size + _BODY.size
     hashes = tuple(
-        int.from_bytes(shard[at + i * HASH_BYTES : at + (i + 1) * HASH_BYTES], "little") for i in range(num_blocks)
+        int.from_bytes(head[at + i * HASH_BYTES : at + (i + 1) * HASH_BYTES], "little") for i in range(num_blocks)
     )
     h = ShardHeader(*f, block_hashes=hashes)
-    if hlen + h.payload_bytes != len(shard):
-        raise CorruptShard(f"shard is {len(shard)} bytes; its header promises {hlen + h.payload_bytes}")
+    if hlen + h.payload_bytes != shard_len:
+        raise CorruptShard(f"shard is {shard_len} bytes; its header promises {hlen + h.payload_bytes}")
     return h
 
 
-def peek_raw_bytes(shard: memoryview) -> int | None:
-    """The uncompressed size a codec shard declares, without validating it (for stats only)."""
+def peek_raw_bytes(shard: Any) -> int | None:
+    """The uncompressed size a codec shard (host bytes or a uint8 tensor) declares, without validating
+    it (for stats only). A device tensor has its first 64 bytes copied to the host."""
+    if is_tensor(shard):
+        shard = memoryview(shard[: _PREFIX.size + _BODY.size].cpu().numpy())
     if len(shard) < _PREFIX.size + _BODY.size or bytes(shard[:4]) != MAGIC:
         return None
     if struct.unpack_from("<H", shard, 4)[0] != VERSION:

@@ -48,6 +48,7 @@ from transfer.transport import (
     TransferTimeout,
     TransportStats,
     as_bytes_view,
+    is_tensor,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ class NixlConfig:
     # over cma anyway); a cluster sets its NICs (e.g. "mlx5_0:1"), None leaves UCX's own choice.
     # An UCX_NET_DEVICES already in the environment wins.
     ucx_net_devices: str | None = "lo"
+    # Where both staging arenas live: None is host memory registered as DRAM (the CPU path, and
+    # any KV on the host); "cuda:k" is memory on GPU k registered as VRAM, for KV that lives there,
+    # so UCX moves it GPU to GPU (RDMA with GPUDirect, NVLink) and nothing is staged on the host.
+    # Device shards are then copied device to device into send staging; host shards are uploaded.
+    staging_device: str | None = None
 
 
 class NixlTransport:
@@ -88,13 +94,15 @@ class NixlTransport:
             logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs INFO to stdout otherwise
         self.name = name
         self.cfg = cfg or NixlConfig()
+        self.device_shards = self.cfg.staging_device is not None  # see transport.takes_device_shards
         if self.cfg.ucx_net_devices is not None:
             os.environ.setdefault("UCX_NET_DEVICES", self.cfg.ucx_net_devices)  # UCX reads it at backend init
         self._resolver = resolver
         # The progress thread off measured faster here; the worker polls notifications anyway.
         agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._ep = NixlEndpoint(name, agent, int.from_bytes(os.urandom(8), "little"),
-                                self.cfg.probe_interval_s, self.cfg.grant_ttl_s, self.cfg.segment_bytes)
+                                self.cfg.probe_interval_s, self.cfg.grant_ttl_s, self.cfg.segment_bytes,
+                                self.cfg.staging_device)
         # random start, so a restarted sender's ids never match what its peer still remembers
         self._send_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._book = PeerStatsBook()
@@ -130,9 +138,10 @@ class NixlTransport:
             raise PeerGone(f"transport {self.name} is closed")
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        views = [as_bytes_view(s) for s in shards]
         arena = self._ep.send_arena
         assert arena is not None
+        # device staging copies a device shard as it is; host staging takes bytes
+        views = [s.reshape(-1) if arena.tensor is not None and is_tensor(s) else as_bytes_view(s) for s in shards]
         if not views or max(len(v) for v in views) > arena.size_bytes:
             raise ValueError(f"send needs 1+ shards of at most {arena.size_bytes} bytes (send staging)")
         if peer not in self._ep.peers:
@@ -155,7 +164,10 @@ class NixlTransport:
                     end = min(len(v), start + seg)
                     # numpy drops the GIL while copying (a memoryview copy would hold it), so
                     # the worker's WRITE of the previous segment really runs alongside
-                    np.copyto(arena.buf[off + start : off + end], np.frombuffer(v[start:end], dtype=np.uint8))
+                    if arena.buf is not None:
+                        np.copyto(arena.buf[off + start : off + end], np.frombuffer(v[start:end], dtype=np.uint8))
+                    else:
+                        arena.write(off + start, v[start:end])
                     self._post(self._ep.shard_ready, op, i, off, end)
                 if op.finished.is_set():
                     break

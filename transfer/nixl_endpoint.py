@@ -24,10 +24,18 @@ from transfer.transport import PeerGone, TransferError, TransferTimeout
 logger = logging.getLogger(__name__)
 
 
+def staging_regions(*arenas: StagingArena) -> list[tuple[int, int, int, str]]:
+    """NIXL registration tuples (addr, len, dev_id, ""): device 0 for host memory, as NIXL expects;
+    the memory type to register them under is the arenas' own `mem_type` (DRAM or VRAM)."""
+    assert len({a.mem_type for a in arenas}) == 1, "one registration holds one memory type"
+    return [(a.base_addr, a.size_bytes, a.dev_id or 0, "") for a in arenas]
+
+
 class NixlEndpoint:
     def __init__(self, name: str, agent: Any, incarnation: int, probe_interval_s: float, grant_ttl_s: float,
-                 segment_bytes: int) -> None:
+                 segment_bytes: int, staging_device: str | None = None) -> None:
         self.name = name
+        self.staging_device = staging_device  # None: host staging (DRAM); "cuda:k": device staging (VRAM)
         self.segment_bytes = segment_bytes
         self.agent = agent
         self.incarnation = incarnation
@@ -53,12 +61,13 @@ class NixlEndpoint:
         if busy or self.sends or self.grants or self.pending or not self.inbox.empty():
             raise RuntimeError("register_buffers needs an idle transport")
         self.deregister()
-        self.send_arena, self.recv_arena = StagingArena(send_bytes), StagingArena(recv_bytes)
-        regions = [(a.base_addr, a.size_bytes, 0, "") for a in (self.send_arena, self.recv_arena)]
-        self._reg = self.agent.register_memory(regions, "DRAM")
+        self.send_arena = StagingArena(send_bytes, self.staging_device)
+        self.recv_arena = StagingArena(recv_bytes, self.staging_device)
+        self._reg = self.agent.register_memory(staging_regions(self.send_arena, self.recv_arena),
+                                               self.send_arena.mem_type)
         self.envelope = wire.Envelope(
             self.name, self.incarnation, self.recv_arena.base_addr, self.recv_arena.size_bytes,
-            self.agent.get_agent_metadata(),
+            self.agent.get_agent_metadata(), self.recv_arena.dev_id,
         ).pack()
 
     def deregister(self) -> None:
@@ -175,8 +184,11 @@ class NixlEndpoint:
         peer, size = self.peers[op.peer], op.sizes[shard]
         start = op.posted.get(shard, 0)
         n = min(op.ready[shard] - start, self.segment_bytes)
-        local = self.agent.get_xfer_descs([(self.send_arena.base_addr + op.local[shard] + start, n, 0)], "DRAM")
-        remote = self.agent.get_xfer_descs([(peer.recv_base + op.granted[shard] + start, n, 0)], "DRAM")
+        arena = self.send_arena
+        local = self.agent.get_xfer_descs([(arena.base_addr + op.local[shard] + start, n, arena.dev_id or 0)],
+                                          arena.mem_type)
+        remote_type, remote_dev = peer.recv_mem
+        remote = self.agent.get_xfer_descs([(peer.recv_base + op.granted[shard] + start, n, remote_dev)], remote_type)
         note = wire.data(op.send_id, shard, len(op.sizes), op.tag, op.granted[shard], size, n)
         handle = self.agent.initialize_xfer("WRITE", local, remote, op.peer, note)
         op.inflight.append((shard, n, handle))  # tracked before posting, so a raise still releases it

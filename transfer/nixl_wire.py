@@ -37,11 +37,20 @@ class Envelope:
     recv_base: int
     recv_size: int
     agent_metadata: bytes
+    # Where the receive staging lives: None is host memory (DRAM), k is CUDA device k (VRAM). It
+    # rides in the header's once-reserved u16 as k + 1, so a peer that wrote 0 there means DRAM.
+    recv_device: int | None = None
+
+    @property
+    def recv_mem(self) -> tuple[str, int]:
+        """(NIXL memory type, device id) of the receive staging, for WRITE descriptors."""
+        return ("DRAM", 0) if self.recv_device is None else ("VRAM", self.recv_device)
 
     def pack(self) -> bytes:
         name = self.name.encode()
+        where = 0 if self.recv_device is None else self.recv_device + 1
         head = _ENVELOPE.pack(
-            ENVELOPE_MAGIC, ENVELOPE_VERSION, 0, self.incarnation, self.recv_base, self.recv_size,
+            ENVELOPE_MAGIC, ENVELOPE_VERSION, where, self.incarnation, self.recv_base, self.recv_size,
             len(name), len(self.agent_metadata),
         )
         return head + name + self.agent_metadata
@@ -50,14 +59,14 @@ class Envelope:
     def unpack(cls, data: bytes) -> "Envelope":
         if len(data) < _ENVELOPE.size:
             raise IncompatiblePeer(f"{len(data)} bytes is too short for NIXL peer metadata")
-        magic, version, _, inc, base, size, name_len, md_len = _ENVELOPE.unpack_from(data, 0)
+        magic, version, where, inc, base, size, name_len, md_len = _ENVELOPE.unpack_from(data, 0)
         if magic != ENVELOPE_MAGIC or version != ENVELOPE_VERSION:
             raise IncompatiblePeer(f"not ferry NIXL peer metadata of version {ENVELOPE_VERSION} ({magic!r} v{version})")
         at = _ENVELOPE.size
         if len(data) != at + name_len + md_len:
             raise IncompatiblePeer("NIXL peer metadata is truncated")
         name = bytes(data[at : at + name_len]).decode()
-        return cls(name, inc, base, size, bytes(data[at + name_len :]))
+        return cls(name, inc, base, size, bytes(data[at + name_len :]), None if where == 0 else where - 1)
 
 
 class Kind(enum.IntEnum):

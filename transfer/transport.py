@@ -6,6 +6,11 @@ and then `send`s it a batch of shards: opaque byte strings, which the codec make
 takes them out one at a time with `recv`, in arrival order, so it can write shard i into its block
 pool while shard i+1 is still in flight. The transport never looks inside a shard (except to count
 its uncompressed size for stats), and never pickles one.
+
+A shard is host bytes, or a uint8 torch tensor (the codec makes these with `encode(..., device=)`).
+Transports that move device memory (cuda_ipc, NIXL with VRAM staging) take a device tensor as it is
+and hand out `Delivery.data` as a device tensor; the host transports copy a device shard down once
+(`as_bytes_view`), since host memory is what they move.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-# Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview, uint8 arrays.
-Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+# Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview, uint8 arrays;
+# or a contiguous uint8 torch tensor on any device.
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray, "torch.Tensor"]
 
 
 class TransferError(Exception):
@@ -49,14 +58,15 @@ class IncompatiblePeer(TransferError):
 
 
 class Delivery:
-    """One arrived shard. `data` may be a view into the transport's receive staging: it is valid until
+    """One arrived shard. `data` (a memoryview, or a uint8 tensor on the GPU for transports that land
+    shards in device memory) may be a view into the transport's receive staging: it is valid until
     `release()`, which hands the room back for the next shards (a sender waiting for room waits on
     it). Use it as a context manager; `shard_index`/`num_shards` count within the sender's `send`.
     A delivery dropped unreleased is released when collected, with a warning."""
 
     __slots__ = ("peer", "tag", "shard_index", "num_shards", "data", "_release", "_finalizer", "__weakref__")
 
-    def __init__(self, peer: str, tag: int, shard_index: int, num_shards: int, data: memoryview,
+    def __init__(self, peer: str, tag: int, shard_index: int, num_shards: int, data: "memoryview | torch.Tensor",
                  release: Callable[[], None] | None = None) -> None:
         self.peer = peer
         self.tag = tag
@@ -69,6 +79,8 @@ class Delivery:
     def release(self) -> None:
         if self._finalizer is not None and self._finalizer.detach() is not None and self._release is not None:
             self._release()  # detach() succeeds once: a second release() is a no-op
+        if not isinstance(self.data, memoryview):
+            return  # a device tensor view: nothing to revoke, the caller promised not to use it
         try:
             self.data.release()  # any later use of the view fails loudly instead of reading reused room
         except BufferError:
@@ -220,9 +232,23 @@ class PeerStatsBook:
             return {name: PeerStats(**vars(p)) for name, p in self._peers.items()}
 
 
+def takes_device_shards(transport: object) -> bool:
+    """Whether `transport` moves GPU memory itself, so a sender should hand it shards encoded on the
+    GPU (`encode(..., device=kv.device)`) rather than host bytes."""
+    return bool(getattr(transport, "device_shards", False))
+
+
+def is_tensor(shard: Any) -> bool:
+    """Whether `shard` is a torch tensor (checked without importing torch)."""
+    return type(shard).__module__.startswith("torch") and hasattr(shard, "data_ptr")
+
+
 def as_bytes_view(shard: Buffer) -> memoryview:
-    """A flat byte view of any buffer (no copy)."""
-    view = memoryview(shard)
+    """A flat byte view of any buffer: no copy, except that a device tensor is copied to the host
+    once (a host transport moves host memory)."""
+    if is_tensor(shard):
+        shard = shard.detach().reshape(-1).cpu().numpy()  # type: ignore[union-attr]
+    view = memoryview(shard)  # type: ignore[arg-type]
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B") if view.c_contiguous else memoryview(bytes(view))
     return view

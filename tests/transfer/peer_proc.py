@@ -1,12 +1,15 @@
-"""A NIXL receiver in a child process (multiprocessing spawn), driven over a pipe by the tests.
+"""A receiver in a child process (multiprocessing spawn), driven over a pipe by the tests: NIXL, or
+cuda_ipc (shared host memory, or a GPU arena with `device="cuda:0"`).
 
-The KV itself travels over NIXL; the pipe carries only the test's commands and the receiver's
-findings (what it decoded, or which error it raised), so the parent can assert on them. Every wait
-on the parent side is bounded (`Peer.ask`), and `Peer.stop` always ends the child.
+The KV itself travels over the transport; the pipe carries only the test's commands and the
+receiver's findings (what it decoded, a sha256 of the bytes that landed, or which error it raised),
+so the parent can assert on them. Every wait on the parent side is bounded (`Peer.ask`), and
+`Peer.stop` always ends the child.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import signal
@@ -23,15 +26,33 @@ class PeerSpec:
     recv_bytes: int = 32 * MIB
     layout: tuple[str, int, int, int, int] = ("tiny", 6, 2, 16, 4)  # KVLayout fields
     die_after_shards: int | None = None  # SIGKILL itself after taking this many shards
+    kind: str = "nixl"  # or "cuda_ipc"
+    device: str | None = None  # cuda_ipc's arena (None: shared host memory) or NIXL's staging device
+
+
+def _open(spec: PeerSpec) -> Any:
+    if spec.kind == "cuda_ipc":
+        from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
+
+        return CudaIpcTransport(spec.name, CudaIpcConfig(recv_staging_bytes=spec.recv_bytes, device=spec.device))
+    from transfer.nixl import NixlConfig, NixlTransport
+
+    return NixlTransport(spec.name, NixlConfig(send_staging_bytes=1 * MIB, recv_staging_bytes=spec.recv_bytes,
+                                               staging_device=spec.device))
+
+
+def _sha256(data: Any) -> str:
+    if hasattr(data, "cpu"):  # a device tensor: hashed on the host, for the test's sake only
+        data = data.cpu().numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
 
 
 def _serve(spec: PeerSpec, conn: Any) -> None:
     from transfer.codec import KVLayout, decode_shard
-    from transfer.nixl import NixlConfig, NixlTransport
     from transfer.transport import TransferError
 
     layout = KVLayout(*spec.layout)
-    t = NixlTransport(spec.name, NixlConfig(send_staging_bytes=1 * MIB, recv_staging_bytes=spec.recv_bytes))
+    t = _open(spec)
     conn.send(("ready", t.metadata()))
     taken = 0
     while True:
@@ -59,7 +80,8 @@ def _serve(spec: PeerSpec, conn: Any) -> None:
                         s = decode_shard(d.data, layout)
                         kv = s.kv.float().contiguous()
                         found.append(("ok", d.peer, d.tag, d.shard_index, s.layers.start, s.layers.stop,
-                                      str(s.kv.dtype), tuple(kv.shape), kv.numpy().tobytes()))
+                                      str(s.kv.dtype), tuple(kv.shape), kv.cpu().numpy().tobytes(),
+                                      _sha256(d.data), str(s.kv.device), type(d.data).__name__))
                     except TransferError as e:
                         found.append(("error", type(e).__name__, str(e), d.shard_index))
             conn.send(found)

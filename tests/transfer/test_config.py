@@ -33,3 +33,31 @@ def test_make_transport_local_and_bad_config() -> None:
         TransferConfig(kind="carrier-pigeon")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive"):
         TransferConfig(recv_staging_bytes=0)
+
+
+def test_auto_keeps_host_kv_and_far_peers_off_cuda_ipc() -> None:
+    from transfer.config import this_node
+
+    for args in [(), ("cpu", this_node()), ("cuda:0", "another-node"), ("cuda:0", None)]:
+        assert resolve_kind("auto", *args) == resolve_kind("auto")
+    assert resolve_kind("cuda_ipc") == "cuda_ipc"
+
+
+def test_make_transport_cuda_ipc_on_the_host_uses_shared_memory() -> None:
+    from transfer.cuda_ipc import CudaIpcTransport
+
+    t = make_transport("cfg-ipc", TransferConfig(kind="cuda_ipc", recv_staging_bytes=1 << 20))
+    try:
+        assert isinstance(t, CudaIpcTransport) and isinstance(t, KVTransport)
+        assert (t.memory, t.stats().registered_bytes) == ("shm", 1 << 20)
+    finally:
+        t.close()
+
+
+def test_nixl_envelope_says_where_receive_staging_lives() -> None:
+    from transfer.nixl_wire import Envelope
+
+    host = Envelope("p", 1, 4096, 8192, b"md")
+    gpu = Envelope("p", 1, 4096, 8192, b"md", recv_device=3)
+    assert Envelope.unpack(host.pack()).recv_mem == ("DRAM", 0)  # what a peer of before writes, too
+    assert Envelope.unpack(gpu.pack()) == gpu and gpu.recv_mem == ("VRAM", 3)

@@ -63,7 +63,7 @@ def assemble(found: list) -> torch.Tensor:
     parts = []
     for status, *rest in sorted(found, key=lambda f: f[4]):
         assert status == "ok", rest
-        _, _, _, start, stop, _, shape, raw = rest
+        _, _, _, start, stop, _, shape, raw = rest[:8]
         parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape))
     return torch.cat(parts)
 
@@ -110,14 +110,15 @@ def test_shards_bigger_than_the_receivers_room_flow_through_it(sender: NixlTrans
         sender.remove_peer("small")
 
 
-def test_concurrent_sends_from_many_threads_arrive_whole_by_tag(sender: NixlTransport, receiver: Peer) -> None:
+def send_concurrently(sender: KVTransport, peer: Peer) -> None:
+    """4 threads each send a 3-shard transfer of its own tag; each arrives whole, by tag."""
     kvs = {tag: make_kv(num_blocks=40, seed=tag) for tag in range(1, 5)}
-    receiver.request("recv", 4 * 3, 30.0)
+    peer.request("recv", 4 * 3, 30.0)
     errors: list[BaseException] = []
 
     def send(tag: int) -> None:
         try:
-            sender.send("receiver", encode(kvs[tag], LAYOUT, num_shards=3, transfer_id=tag), tag=tag, timeout_s=30.0)
+            sender.send(peer.spec.name, encode(kvs[tag], LAYOUT, num_shards=3, transfer_id=tag), tag=tag, timeout_s=30.0)
         except BaseException as e:  # reported below: a thread must not swallow it
             errors.append(e)
 
@@ -126,10 +127,14 @@ def test_concurrent_sends_from_many_threads_arrive_whole_by_tag(sender: NixlTran
         t.start()
     for t in threads:
         t.join(40.0)
-    found = receiver.read(40.0)
+    found = peer.read(40.0)
     assert not errors and not any(t.is_alive() for t in threads)
     for tag, kv in kvs.items():
         assert torch.equal(assemble([f for f in found if f[2] == tag]), kv)
+
+
+def test_concurrent_sends_from_many_threads_arrive_whole_by_tag(sender: NixlTransport, receiver: Peer) -> None:
+    send_concurrently(sender, receiver)
     assert sender.stats().peers["receiver"].sends >= 4
     assert_idle(sender, 17 * MIB)
 

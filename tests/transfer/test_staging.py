@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from transfer.staging import ALIGN, StagingArena
 
@@ -44,3 +45,18 @@ def test_alloc_waits_for_a_free_from_another_thread_and_times_out_otherwise() ->
     assert time.monotonic() - t0 < 3.0
     with pytest.raises(ValueError, match="exceed"):
         a.alloc(3 * ALIGN, deadline=time.monotonic() + 1.0)
+
+
+
+def test_host_arena_is_dram_and_takes_bytes_or_tensors() -> None:
+    from transfer.nixl_endpoint import staging_regions
+
+    a, b = StagingArena(2 * ALIGN, device="cpu"), StagingArena(ALIGN)
+    assert (a.mem_type, a.dev_id, a.tensor) == ("DRAM", None, None)
+    a.write(10, b"\x01\x02\x03")
+    a.write(ALIGN, torch.arange(5, dtype=torch.uint8))
+    assert bytes(a.view(10, 3)) == b"\x01\x02\x03" and bytes(a.view(ALIGN, 5)) == bytes(range(5))
+    # what NIXL registers: host memory as device 0, under the arenas' one memory type
+    assert staging_regions(a, b) == [(a.base_addr, 2 * ALIGN, 0, ""), (b.base_addr, ALIGN, 0, "")]
+    with pytest.raises(ValueError, match="CUDA"):
+        StagingArena(ALIGN, device="meta")
