@@ -5,9 +5,10 @@ Mental model: these are the envelopes of one disaggregated request. The caller b
 be journaled and resumed anywhere); the decode worker and the prefill worker both receive it; the
 prefill worker answers with a `PrefillResult` (what it reused, computed and shipped, and how long
 each stage took); the decode worker streams `TokenEvent`s. `WorkerLoad` is what a placement policy
-(and the cluster scheduler) reads; `Telemetry` is what a worker's engine measured since a cursor
-(step times, prefix blocks gained and lost), for the scheduler's cost models and prefix index. Ray pickles them, so they hold plain fields only: ints,
-floats, strings, tuples, and the engine's own frozen `SamplingParams` / `RequestOutput`.
+(and the cluster scheduler) reads, with the engine's KV plan for operators; `Telemetry` is what a
+worker's engine measured since a cursor (step times, prefix blocks gained and lost), for the
+scheduler's cost models and prefix index. Ray pickles them, so they hold plain fields only: ints,
+floats, strings, tuples, and the engine's own frozen `SamplingParams` / `RequestOutput` / `KVPlan`.
 
 Timestamps that leave a process are wall-clock (`time.time()`): monotonic clocks of two machines
 share no origin.
@@ -18,10 +19,13 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from actors.engine.output import RequestOutput, StepRecord
 from actors.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.engine.memory import KVPlan
 
 WorkerKind = Literal["prefill", "decode", "colocated"]
 CacheKey = str | int | bytes  # what the engine's block hashes accept as extra keys
@@ -136,10 +140,15 @@ class WorkerLoad:
     last_step_s: float
     healthy: bool
     rss_bytes: int = 0  # resident memory of the worker's process; 0 where unknown
+    kv_plan: KVPlan | None = None  # how the engine's KV pool was sized (fixed at start); None where unknown
 
     @property
     def rss_mib(self) -> int | None:
         return mib_or_none(self.rss_bytes)
+
+    def kv_plan_report(self) -> dict[str, object] | None:
+        """The KV plan as JSON-able figures (`KVPlan.to_dict`), for `/health` and metrics."""
+        return None if self.kv_plan is None else self.kv_plan.to_dict()
 
     @property
     def num_active(self) -> int:

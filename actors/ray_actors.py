@@ -4,9 +4,12 @@ Mental model: each actor is its plain worker class with a constructor that build
 collaborators inside the actor's own process (load the model, start the engine thread, open the
 transport endpoint, connect to the prefix-cache stores), so only a frozen `WorkerConfig` crosses
 the wire. They are async actors: streams, announces and the transport's threads run concurrently,
-and every worker method that may block runs on a thread. CPUs are fractional (a quarter each) so
-the embedded default, 1 prefill + 1 decode + 1 cache actor, fits on 2 cores; `torch_threads`
-decides how many cores each one's kernels really use.
+and every worker method that may block runs on a thread. What each worker asks Ray for is a
+`WorkerResources` (actors/worker_config.py): on CPU a quarter of a CPU, so the embedded default,
+1 prefill + 1 decode + 1 cache actor, fits on 2 cores (`torch_threads` decides how many cores each
+one's kernels really use); on a GPU cluster a GPU or a fraction of one, and the engine's device is
+pinned to what Ray grants. Each worker's load poll carries its engine's `KVPlan` (how its KV pool
+was sized), and its log has the engine's own lines, the plan among them.
 
 `start_pd` wires a deployment: store actors, decode actors, prefill actors that know every decode
 endpoint (they `add_peer` its transport metadata) and the stores; `start_colocated` a set of
@@ -24,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import ray
@@ -39,6 +43,7 @@ from actors.engine.async_engine import AsyncEngine
 from actors.engine.engine import Engine
 from actors.engine.output import EngineStats
 from actors.handoff import kv_layout
+from actors.messages import WorkerLoad
 from actors.pd_client import PDClient
 from actors.placement import Placement, ScheduledPlacement
 from actors.prefill import PrefillWorker
@@ -48,18 +53,37 @@ from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.recovery import RecoveryConfig
-from actors.worker_config import ClientConfig, WorkerConfig
+from actors.worker_config import WORKER_NUM_CPUS, ClientConfig, WorkerConfig, WorkerResources, plan_worker_resources
 from transfer.config import make_transport
 from transfer.transport import KVTransport
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WORKER_NUM_CPUS = 0.25
 START_TIMEOUT_S = 180.0  # model load in a fresh process on a busy 2-core box
 
 
+def cluster_gpus() -> float:
+    """GPUs in the Ray cluster now (its `GPU` resource total; 0 on a CPU-only cluster)."""
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def _log_to_worker_output() -> None:
+    """Ray sets up only its own `ray` logger in a worker process, so the data plane's INFO lines
+    (model load, transport, the engine's KV plan) would be dropped; they go to the worker's
+    stderr, which Ray keeps in the worker's log file and shows the driver."""
+    root = logging.getLogger("actors")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
 def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
+    _log_to_worker_output()
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine), stream_interval=cfg.stream_interval)
@@ -77,13 +101,18 @@ def _checked_stats(engine: Engine) -> EngineStats:
 
 
 class _Inspected:
-    """An actor method over the engine's own checks (tests and operators: leaked blocks)."""
+    """Actor methods over the engine's own figures: its checks (tests and operators: leaked
+    blocks), and its KV plan on every load poll (fixed at start-up; a few hundred bytes)."""
 
     engine: AsyncEngine
 
     async def check_integrity(self) -> EngineStats:
         """Asserts the engine's block accounting under its lock; returns its stats."""
         return await asyncio.to_thread(self.engine.locked, _checked_stats, self.engine.engine)
+
+    async def load(self) -> WorkerLoad:
+        load: WorkerLoad = await super().load()  # type: ignore[misc]
+        return replace(load, kv_plan=self.engine.engine.kv_plan)
 
 
 class PrefillActor(_Inspected, PrefillWorker):
@@ -105,9 +134,16 @@ class ColocatedActor(_Inspected, ColocatedWorker):
         super().__init__(_load_engine(cfg, torch_threads), name)
 
 
+# The defaults; each start asks for its `WorkerResources` through `.options(...)`.
 RemotePrefill = ray.remote(num_cpus=WORKER_NUM_CPUS, max_restarts=0)(PrefillActor)
 RemoteDecode = ray.remote(num_cpus=WORKER_NUM_CPUS, max_restarts=0)(DecodeActor)
 RemoteColocated = ray.remote(num_cpus=WORKER_NUM_CPUS, max_restarts=0)(ColocatedActor)
+
+
+def placed(cfg: WorkerConfig, resources: WorkerResources) -> WorkerConfig:
+    """`cfg` with its engine as it must run under `resources` (`WorkerResources.place`)."""
+    engine = resources.place(cfg.engine)
+    return cfg if engine == cfg.engine else replace(cfg, engine=engine)
 
 
 @dataclass
@@ -115,8 +151,9 @@ class PDDeployment:
     prefills: dict[str, ActorHandle]
     decodes: dict[str, ActorHandle]  # keyed by transport endpoint name, as prefills know them
     stores: dict[StoreId, RayStoreHandle] = field(default_factory=dict)
-    cfg: WorkerConfig | None = None  # what replacements are built from; None: `replace` refuses
+    cfg: WorkerConfig | None = None  # what replacements are built from (placed); None: `replace` refuses
     torch_threads: int | None = None
+    resources: WorkerResources = field(default_factory=WorkerResources)  # what each worker asks Ray for
     colocated: bool = False  # `decodes` are colocated workers (no prefill workers, no handoff)
     start_timeout_s: float = START_TIMEOUT_S
     closed: bool = False  # shut down: replacements are refused (and one under way is stopped)
@@ -144,16 +181,17 @@ class PDDeployment:
             raise KeyError(f"no worker named {name!r} in this deployment")
         _kill(self.prefills[name] if kind == "prefill" else self.decodes[name])
         timeout = self.start_timeout_s
+        cfg, options = placed(self.cfg, self.resources), self.resources.actor_options()
         if self.colocated:
-            handle = RemoteColocated.remote(self.cfg, name, self.torch_threads)
+            handle = RemoteColocated.options(**options).remote(cfg, name, self.torch_threads)
             await _started(handle, asyncio.wait_for(handle.load.remote(), timeout))
         elif kind == "decode":
-            handle = RemoteDecode.remote(self.cfg, name, self.torch_threads)
+            handle = RemoteDecode.options(**options).remote(cfg, name, self.torch_threads)
             metadata = await _started(handle, asyncio.wait_for(handle.transport_metadata.remote(), timeout))
             await _each("add the new endpoint of " + name, {
                 p: asyncio.wait_for(prefill.add_peer.remote(metadata), timeout) for p, prefill in self.prefills.items()})
         else:
-            handle = RemotePrefill.remote(self.cfg, name, self.stores or None, self.torch_threads)
+            handle = RemotePrefill.options(**options).remote(cfg, name, self.stores or None, self.torch_threads)
             await _started(handle, asyncio.wait_for(handle.load.remote(), timeout))
             metadata = await _each("read the endpoint", {
                 d: asyncio.wait_for(decode.transport_metadata.remote(), timeout) for d, decode in self.decodes.items()})
@@ -202,19 +240,34 @@ async def _each(what: str, calls: Mapping[str, Awaitable[T]]) -> dict[str, T]:
     return out
 
 
+def _resources_for(cfg: WorkerConfig, num_workers: int, resources: WorkerResources | None) -> WorkerResources:
+    """The given resources, or those the engine's device asks for on this cluster (CPU on a
+    cluster without GPUs; see `plan_worker_resources`)."""
+    if resources is not None:
+        return resources
+    return plan_worker_resources(cfg.engine.device, num_workers, cluster_gpus())
+
+
 def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
              cache: PrefixCacheConfig | None = None, num_cache: int = 1, torch_threads: int | None = None,
-             name_prefix: str | None = None, timeout_s: float = START_TIMEOUT_S) -> PDDeployment:
+             name_prefix: str | None = None, timeout_s: float = START_TIMEOUT_S,
+             resources: WorkerResources | None = None) -> PDDeployment:
     """Starts and wires a deployment; returns once every worker answers. `cache=None` or
-    `num_cache=0`: no prefix-cache pool."""
+    `num_cache=0`: no prefix-cache pool. `resources`: what each worker asks Ray for (None:
+    planned from `cfg.engine.device` and the cluster's GPUs)."""
     prefix = name_prefix or f"ferry-{uuid.uuid4().hex[:6]}"
+    resources = _resources_for(cfg, num_prefill + num_decode, resources)
+    cfg = placed(cfg, resources)
+    options = resources.actor_options()
     stores = start_store_actors(cache, num_cache, id_prefix=f"{prefix}-cache") if cache and num_cache else {}
-    decodes = {f"{prefix}-decode-{i}": RemoteDecode.remote(cfg, f"{prefix}-decode-{i}", torch_threads)
+    decodes = {f"{prefix}-decode-{i}": RemoteDecode.options(**options).remote(cfg, f"{prefix}-decode-{i}",
+                                                                             torch_threads)
                for i in range(num_decode)}
-    prefills = {f"{prefix}-prefill-{i}": RemotePrefill.remote(cfg, f"{prefix}-prefill-{i}", stores or None,
-                                                             torch_threads)
+    prefills = {f"{prefix}-prefill-{i}": RemotePrefill.options(**options).remote(
+                    cfg, f"{prefix}-prefill-{i}", stores or None, torch_threads)
                 for i in range(num_prefill)}
-    deployment = PDDeployment(prefills, decodes, dict(stores), cfg, torch_threads, start_timeout_s=timeout_s)
+    deployment = PDDeployment(prefills, decodes, dict(stores), cfg, torch_threads, resources,
+                              start_timeout_s=timeout_s)
     try:
         metadata = ray.get([d.transport_metadata.remote() for d in decodes.values()], timeout=timeout_s)
         for prefill in prefills.values():
@@ -223,17 +276,24 @@ def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
     except BaseException:
         deployment.shutdown()
         raise
-    logger.info("started %d prefill, %d decode, %d cache actors (%s)", num_prefill, num_decode, len(stores), prefix)
+    logger.info("started %d prefill, %d decode, %d cache actors (%s) on %s (%s each)", num_prefill, num_decode,
+                len(stores), prefix, resources.device, options)
     return deployment
 
 
 def start_colocated(cfg: WorkerConfig, *, num_workers: int = 1, torch_threads: int | None = None,
-                    name_prefix: str = "colocated", timeout_s: float = START_TIMEOUT_S) -> PDDeployment:
-    """Starts `num_workers` colocated workers (`<prefix>-<i>`); returns once each answers."""
-    workers = {f"{name_prefix}-{i}": RemoteColocated.remote(cfg, f"{name_prefix}-{i}", torch_threads)
+                    name_prefix: str = "colocated", timeout_s: float = START_TIMEOUT_S,
+                    resources: WorkerResources | None = None) -> PDDeployment:
+    """Starts `num_workers` colocated workers (`<prefix>-<i>`); returns once each answers.
+    `resources` as for `start_pd`."""
+    resources = _resources_for(cfg, num_workers, resources)
+    cfg = placed(cfg, resources)
+    options = resources.actor_options()
+    workers = {f"{name_prefix}-{i}": RemoteColocated.options(**options).remote(cfg, f"{name_prefix}-{i}",
+                                                                             torch_threads)
                for i in range(num_workers)}
-    deployment = PDDeployment({}, workers, cfg=cfg, torch_threads=torch_threads, colocated=True,
-                              start_timeout_s=timeout_s)
+    deployment = PDDeployment({}, workers, cfg=cfg, torch_threads=torch_threads, resources=resources,
+                              colocated=True, start_timeout_s=timeout_s)
     try:
         ray.get([w.load.remote() for w in workers.values()], timeout=timeout_s)
     except BaseException:

@@ -1,19 +1,23 @@
 """Frozen configuration of the data-plane workers and of the caller that drives them.
 
 `WorkerConfig` is one section per worker process: which model, how its engine is sized, how KV
-leaves it (transport kind, compression, shards) and the deadlines it keeps. `ClientConfig` is the
-caller's deadlines. pydantic validation of user input lives in deploy/; these only check invariants.
+leaves it (transport kind, compression, shards) and the deadlines it keeps. `WorkerResources` is
+what each worker actor asks Ray for, which decides where its engine runs (`plan_worker_resources`
+turns a configured device into it). `ClientConfig` is the caller's deadlines. pydantic validation
+of user input lives in deploy/; these only check invariants.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from actors.engine.config import EngineConfig
 from transfer.codec import Compression
 from transfer.config import TransferConfig
 
 MIB = 1 << 20
+WORKER_NUM_CPUS = 0.25  # bookkeeping: 1 prefill + 1 decode + 1 cache actor fit on 2 cores
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,71 @@ class ClientConfig:
             raise ValueError("timeouts must be positive and load_ttl_s >= 0")
         if self.room_wait_s < 0:
             raise ValueError("room_wait_s must be >= 0")
+
+
+class NoGpuForWorker(ValueError):
+    """A worker is configured for a GPU that the configuration itself rules out."""
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    """What each worker actor asks Ray for, and so where its engine runs. `num_gpus` > 0: the engine
+    runs on cuda, which inside the actor is the GPU Ray assigned it (Ray sets CUDA_VISIBLE_DEVICES);
+    a fraction lets workers share one GPU (a prefill and a decode worker at 0.5 each). 0: the CPU.
+    CPUs are fractional bookkeeping either way; `torch_threads` decides the cores a CPU engine uses."""
+
+    num_cpus: float = WORKER_NUM_CPUS
+    num_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0:
+            raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
+        if not 0 <= self.num_gpus <= 1:  # an engine drives one device
+            raise ValueError(f"num_gpus must be in [0, 1], got {self.num_gpus}")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+    def actor_options(self) -> dict[str, float]:
+        """Keyword arguments of `RemoteX.options(...)` for one worker actor."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+
+    def place(self, engine: EngineConfig) -> EngineConfig:
+        """`engine` as it must run under these resources: an "auto" device pinned to the one Ray
+        grants (Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone in an actor without GPUs, so an engine
+        left on auto there would take a GPU Ray gave another worker), and on a fractional GPU a
+        planned KV pool that takes at most this worker's fraction of it. Idempotent."""
+        if engine.device == "auto":
+            engine = replace(engine, device=self.device)
+        elif (engine.device == "cpu") != (self.device == "cpu"):
+            raise NoGpuForWorker(f"the engine's device is {engine.device!r} but the worker asks Ray for "
+                                 f"{self.num_gpus:g} GPUs")
+        if self.num_gpus > 0 and engine.kv_memory_share > self.num_gpus:
+            engine = replace(engine, kv_memory_share=self.num_gpus)
+        return engine
+
+
+def plan_worker_resources(device: str, num_workers: int, cluster_gpus: float, *,
+                          num_gpus_per_worker: float | None = None,
+                          num_cpus: float = WORKER_NUM_CPUS) -> WorkerResources:
+    """Resources for each of `num_workers` workers whose engines are configured for `device`:
+    "cpu"; "cuda" (or "cuda:N"), which asks for GPUs even when the cluster has none yet (an
+    autoscaler starts a GPU node for the pending actors); or "auto", cuda when the cluster has GPUs
+    now (`cluster_gpus`, its `GPU` resource total). Each worker gets `num_gpus_per_worker`, or by
+    default a whole GPU while the cluster has one for every worker, else an equal fraction that
+    packs them onto its GPUs (1 GPU, 2 workers: 0.5 each), as CPU threads are split."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if device == "cpu" or (device == "auto" and cluster_gpus <= 0):
+        if num_gpus_per_worker is not None:
+            raise NoGpuForWorker(f"num_gpus_per_worker={num_gpus_per_worker:g} with device {device!r} and "
+                                 f"{cluster_gpus:g} GPUs in the Ray cluster (device cuda waits for a GPU node)")
+        return WorkerResources(num_cpus=num_cpus)
+    if num_gpus_per_worker is not None:
+        return WorkerResources(num_cpus=num_cpus, num_gpus=num_gpus_per_worker)
+    whole_gpus = math.floor(cluster_gpus)
+    if whole_gpus >= num_workers or whole_gpus == 0:  # none up yet: one each, for the autoscaler
+        return WorkerResources(num_cpus=num_cpus, num_gpus=1.0)
+    per_gpu = math.ceil(num_workers / whole_gpus)  # a fraction must fit on one GPU: pack, never spread
+    return WorkerResources(num_cpus=num_cpus, num_gpus=math.floor(1e4 / per_gpu) / 1e4)  # Ray's 1e-4 grain

@@ -2,8 +2,9 @@
 
 Mental model: one ingress deployment owns HTTP (the OpenAI app from deploy/openai) and, in its
 constructor, starts the data plane it talks to: prefix-cache store actors, decode actors, prefill
-actors wired to every decode endpoint (or colocated actors), all with fractional CPUs so the
-embedded default fits a 2-core machine; when disaggregated, the scheduler actor (cluster/)
+actors wired to every decode endpoint (or colocated actors), each asking Ray for a fractional CPU
+(so the embedded default fits a 2-core machine) or, where the engines run on cuda, a GPU or a share
+of one (`AppConfig.worker_resources`); when disaggregated, the scheduler actor (cluster/)
 that admits and places every request and plans recoveries; and, when `api.semantic_cache` is set,
 the semantic-cache store actor (actors/semantic_cache/actor.py), which reloads its saved entries on
 start and saves them again when the ingress shuts down. The same builder serves
@@ -27,7 +28,7 @@ from ray.serve import Application
 
 from actors.engine.tokenizer import Tokenizer
 from actors.engine.fetch import resolve_model
-from actors.ray_actors import PDDeployment, start_colocated, start_pd
+from actors.ray_actors import PDDeployment, cluster_gpus, start_colocated, start_pd
 from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
 from cluster.actor import start_scheduler
 from cluster.descriptors import SloClass
@@ -50,9 +51,8 @@ def default_torch_threads(cfg: AppConfig) -> int:
     """This node's CPUs split evenly among the app's engines. torch's own default gives every engine
     all the cores, and on a CPU-only box two engines then spin on each other's cores at every
     parallel op (steps several times slower); on GPU nodes the CPU threads matter little."""
-    engines = cfg.num_decode if cfg.mode == "colocated" else cfg.num_prefill + cfg.num_decode
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // engines)
+    return max(1, cpus // cfg.num_engines)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256,
@@ -73,18 +73,20 @@ class FerryIngress:
             self.semantic = self._start_semantic(cfg.api.semantic_cache)
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
         self.tokenizer = Tokenizer.load(path)
-        worker_cfg = cfg.to_worker_config()
+        resources = cfg.worker_resources(cluster_gpus())
+        worker_cfg = cfg.to_worker_config(resources)
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)
         self._deployment: PDDeployment | None = None
         if cfg.mode == "colocated":
-            self._deployment = start_colocated(worker_cfg, num_workers=cfg.num_decode, torch_threads=threads)
+            self._deployment = start_colocated(worker_cfg, num_workers=cfg.num_decode, torch_threads=threads,
+                                               resources=resources)
             client = self._deployment.client(cfg.to_client_config(), LocalOnly(),
                                              replace_dead=cfg.replace_dead_workers)
         else:
             self._deployment = start_pd(
                 worker_cfg, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                 cache=cfg.to_cache_config(), num_cache=cfg.prefix_cache.num_stores, torch_threads=threads,
-                name_prefix="ferry",
+                name_prefix="ferry", resources=resources,
             )
             if self.scheduler_cfg.enabled:
                 sched = self.scheduler_cfg.to_scheduler_config(cfg.engine.max_num_seqs)
@@ -99,7 +101,8 @@ class FerryIngress:
         self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
         self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic)
-        logger.info("ferry ingress up: %s mode, model %s", cfg.mode, cfg.model)
+        logger.info("ferry ingress up: %s mode, model %s, workers on %s (%s each)", cfg.mode, cfg.model,
+                    resources.device, resources.actor_options())
 
     def _start_semantic(self, settings: SemanticCacheSettings) -> SemanticGlue:
         """The store actor, fresh (it reloads what the last one saved), behind the HTTP glue."""

@@ -28,7 +28,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from actors.engine.sampling import SamplingParams
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype))
+    engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto: cuda when torch sees a GPU (default)")
     gen.set_defaults(func=_cmd_generate)
     return parser
 

@@ -5,7 +5,9 @@ Mental model: the ingress owns HTTP; this turns one validated request into a `Ge
 `PDClient`, which owns placement, deadlines, recovery and aborts. Closing the stream early aborts
 the request on its worker (PDClient fires the abort without awaiting, as the Backend contract
 requires). The scheduler's refusals reach HTTP here: over budget or SLO as `Refused` (429 with
-Retry-After), an unknown tenant 403, a request too large 413, no healthy worker 503.
+Retry-After), an unknown tenant 403, a request too large 413, no healthy worker 503. `/health`
+reports each worker's load, memory and KV plan (how its pool was sized: device, blocks, bytes,
+explicit or planned, and what capped it).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class ClusterBackend:
         loads = await self.client.loads()
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
                           "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks,
-                          "rss_mib": w.rss_mib}
+                          "rss_mib": w.rss_mib, "kv_plan": w.kv_plan_report()}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         room = getattr(self.client, "room", None)

@@ -3,6 +3,12 @@
 Pydantic with `extra="forbid"` everywhere, so a misspelt field is an error naming it; cross-field
 checks live in `AppConfig._check`. Each component gets only its own section, converted to the
 frozen dataclasses the core classes take (`to_worker_config`, `to_cache_config`).
+
+Where engines run: `engine.device` auto means cuda when the Ray cluster has GPUs; `worker_resources`
+turns that into what each worker asks Ray for (a GPU, a fraction of one, or a quarter CPU), and the
+engine config follows it (device pinned, `kv_memory_share` = the part of its GPU or host that is
+the engine's). The KV pool is planned from the memory left after the weights and a profiled step
+(actors/engine/memory.py) unless `engine.kv_cache_mib` is given.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.engine.config import EngineConfig
 from actors.prefix_cache.store import PrefixCacheConfig
-from actors.worker_config import ClientConfig, WorkerConfig
+from actors.worker_config import ClientConfig, WorkerConfig, WorkerResources, plan_worker_resources
 from deploy.openai.config import ApiConfig
 from transfer.config import TransferConfig
 
@@ -27,10 +33,23 @@ class _Section(BaseModel):
 
 
 class EngineSection(_Section):
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda when the Ray cluster has GPUs (each worker then asks Ray for one, or "
+                            "a fraction), else cpu; cuda asks for GPUs even before a GPU node is up")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     block_size: int = Field(16, gt=0)
-    kv_cache_mib: int = Field(128, gt=0, description="KV block pool size of each worker")
+    kv_cache_mib: int | None = Field(
+        None, gt=0, description="KV block pool of each worker; unset: planned from the memory left after the "
+                                "weights and a profiled step (kv_memory_fraction of it, this worker's share)")
+    kv_memory_fraction: float = Field(0.9, gt=0, le=1, description="planned pool: the part of the memory left")
+    kv_cache_max_mib: int = Field(2048, gt=0, description="CPU: the most a planned pool takes (RAM is shared "
+                                                          "with the host's other processes)")
+    num_gpus_per_worker: float | None = Field(
+        None, gt=0, le=1, description="GPUs each worker asks Ray for; a fraction lets workers share one (a "
+                                      "prefill and a decode worker at 0.5 each). Unset: one each while the "
+                                      "cluster has a GPU per worker, else the workers packed evenly onto its GPUs")
+    enforce_eager: bool = Field(False, description="CUDA: no CUDA graphs for decode steps")
     max_num_seqs: int = Field(32, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)
     max_model_len: int | None = Field(None, gt=0)
@@ -85,22 +104,44 @@ class AppConfig(_Section):
     def _check(self) -> "AppConfig":
         if self.transfer.timeout_s >= self.transfer.lease_s:
             raise ValueError("transfer.timeout_s must be shorter than transfer.lease_s")
+        if self.engine.device == "cpu" and self.engine.num_gpus_per_worker is not None:
+            raise ValueError("engine.num_gpus_per_worker needs engine.device cuda or auto")
         return self
 
-    def to_engine_config(self) -> EngineConfig:
+    @property
+    def num_engines(self) -> int:
+        """Engines this app runs: one per worker."""
+        return self.num_decode if self.mode == "colocated" else self.num_prefill + self.num_decode
+
+    def worker_resources(self, cluster_gpus: float) -> WorkerResources:
+        """What each worker asks Ray for on a cluster with `cluster_gpus` GPUs now."""
+        return plan_worker_resources(self.engine.device, self.num_engines, cluster_gpus,
+                                     num_gpus_per_worker=self.engine.num_gpus_per_worker)
+
+    def to_engine_config(self, resources: WorkerResources | None = None) -> EngineConfig:
+        """The engine of each worker. With `resources` (`worker_resources`) its device is the one Ray
+        grants and a planned KV pool takes the worker's part of it: on a GPU the fraction it holds,
+        on CPU an equal split of the host among the app's engines (as `torch_threads` is). Without,
+        the device stays as configured (auto: cuda when this process sees one)."""
         e = self.engine
-        return EngineConfig(
-            block_size=e.block_size, kv_cache_bytes=e.kv_cache_mib * MIB, max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, dtype=e.dtype,
+        on_gpu = resources.device == "cuda" if resources is not None else e.device == "cuda"
+        share = (e.num_gpus_per_worker or 1.0) if on_gpu else 1.0 / self.num_engines
+        engine = EngineConfig(
+            device=e.device, dtype=e.dtype, block_size=e.block_size,
+            kv_cache_bytes=None if e.kv_cache_mib is None else e.kv_cache_mib * MIB,
+            kv_memory_fraction=e.kv_memory_fraction, kv_memory_share=share, kv_cpu_max_bytes=e.kv_cache_max_mib * MIB,
+            enforce_eager=e.enforce_eager, max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
             kv_cache_dtype=e.kv_cache_dtype, enable_prefix_caching=e.enable_prefix_caching,
             prepack_weights=e.prepack_weights,
         )
+        return engine if resources is None else resources.place(engine)
 
-    def to_worker_config(self) -> WorkerConfig:
+    def to_worker_config(self, resources: WorkerResources | None = None) -> WorkerConfig:
         t = self.transfer
         staging = t.staging_mib * MIB
         return WorkerConfig(
-            model=self.model, engine=self.to_engine_config(),
+            model=self.model, engine=self.to_engine_config(resources),
             transfer=TransferConfig(kind=t.kind, send_staging_bytes=staging, recv_staging_bytes=staging,
                                     ucx_net_devices=t.ucx_net_devices),
             compression=t.compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,

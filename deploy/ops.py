@@ -1,7 +1,8 @@
 """`ferry status` and `ferry batch submit`: the operator's commands, as functions of parsed args.
 
 Mental model: both are clients of a running ferry. `status` reads `/health` (public, one GET) and
-turns it into a table of workers with their load and KV blocks, plus each tenant's SLO attainment
+turns it into a table of workers with their load and KV blocks, one line per worker on how its KV
+pool was sized (device, blocks, GiB, tokens, explicit or planned), plus each tenant's SLO attainment
 over the ingress's dashboard window (reported under `slo`; "n/a" from a server that does not). Exit codes are for scripts: 0 healthy, 1 answering but
 unhealthy, 2 unreachable. `batch submit` validates the input here, before anything runs, then
 either submits deploy/batch's runner as a Ray job (the default, through the dashboard's job API) or
@@ -47,6 +48,7 @@ class WorkerLoad:
     free_blocks: int | None
     total_blocks: int | None
     rss_mib: int | None = None
+    kv_plan: dict[str, Any] | None = None  # `KVPlan.to_dict()` of the worker's engine, as /health reports it
 
     @property
     def used_blocks(self) -> int | None:
@@ -81,13 +83,17 @@ def workers_of(health: dict[str, Any]) -> list[WorkerLoad]:
     reports one engine's counters at the top level."""
     if isinstance(health.get("workers"), dict):
         return [WorkerLoad(name, str(w.get("kind", "?")), w.get("healthy"), w.get("running"), w.get("waiting"),
-                           w.get("free_blocks"), w.get("total_blocks"), w.get("rss_mib"))
+                           w.get("free_blocks"), w.get("total_blocks"), w.get("rss_mib"), _plan(w.get("kv_plan")))
                 for name, w in sorted(health["workers"].items())]
     if "num_running" in health:
         return [WorkerLoad("engine", "colocated", health.get("healthy"), health.get("num_running"),
                            health.get("num_waiting"), health.get("num_blocks_free"), health.get("num_blocks_total"),
-                           health.get("rss_mib"))]
+                           health.get("rss_mib"), _plan(health.get("kv_plan")))]
     return []
+
+
+def _plan(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
 
 
 def _cell(value: object) -> str:
@@ -103,6 +109,41 @@ def _table(rows: list[tuple[str, ...]], num_left: int) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(widths[i]) if i < num_left else c.rjust(widths[i]) for i, c in enumerate(r))
             for r in rows]
+
+
+def kv_plan_lines(workers: list[WorkerLoad]) -> list[str]:
+    """How each worker's KV pool was sized (the `kv_plan` of `/health`): device, blocks, GiB, the
+    tokens it holds, and why that size: an explicit setting, or planned from the memory left after
+    the weights and a profiled step (fraction x share of what was free), and what capped it. Nothing
+    from a server that does not report plans; "-" for a worker that did not (down, being replaced)."""
+    if not any(w.kv_plan for w in workers):
+        return []
+    rows, why = [("KV POOL", "DEVICE", "BLOCKS", "GIB", "TOKENS")], ["SIZED BY"]
+    for w in workers:
+        p = w.kv_plan or {}
+        gib = f"{p['kv_bytes'] / (1 << 30):.2f}" if isinstance(p.get("kv_bytes"), int) else "-"
+        rows.append((w.name, _cell(p.get("device")), _count(p.get("num_blocks")), gib, _count(p.get("max_tokens"))))
+        why.append(_sized_by(p) if p else "-")
+    return [f"{line}  {reason}" for line, reason in zip(_table(rows, num_left=2), why)]
+
+
+def _count(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else "-"
+
+
+def _sized_by(plan: dict[str, Any]) -> str:
+    source = plan.get("source")
+    if source != "planned":
+        return f"explicit {source}"
+    free, fraction, share = plan.get("free_bytes"), plan.get("fraction"), plan.get("share")
+    out = "planned"
+    if isinstance(free, int) and isinstance(fraction, int | float) and isinstance(share, int | float):
+        peak = plan.get("activation_peak_bytes")
+        less = f" - {peak / (1 << 30):.2f} GiB step peak" if isinstance(peak, int) else ""
+        out += f": {fraction:.3g} x {share:.3g} of ({free / (1 << 30):.2f} GiB free{less})"
+    if plan.get("activation_measured") is False:
+        out += " (step peak estimated)"
+    return out + (f", capped by {plan['capped_by']}" if plan.get("capped_by") else "")
 
 
 def slo_lines(slo: Any) -> list[str]:
@@ -145,7 +186,7 @@ def render_status(url: str, health: dict[str, Any]) -> str:
                      _cell(w.free_blocks), _cell(w.total_blocks), use, _cell(w.rss_mib)))
     if len(rows) > 1:
         out += _table(rows, num_left=3)
-    return "\n".join(out + slo_lines(health.get("slo")))
+    return "\n".join(out + kv_plan_lines(workers) + slo_lines(health.get("slo")))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -153,6 +153,7 @@ class EngineBackend:
             "num_blocks_total": stats.num_blocks_total,
             "num_blocks_free": stats.num_blocks_free,
             "rss_mib": mib_or_none(process_rss_bytes()),  # this process: the engine runs in it
+            "kv_plan": engine.engine.kv_plan.to_dict(),  # how the KV pool was sized (fixed at start)
         }
 
     def timeline(self, request_id: str) -> dict[str, Any] | None:

@@ -1,11 +1,15 @@
 """`/health` of the cluster backend: healthy means a request can be served now; a worker down
-while others of its kind serve is "degraded" (named, with the replacements under way)."""
+while others of its kind serve is "degraded" (named, with the replacements under way); each worker
+says how its KV pool was sized."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import replace
 from typing import Any
 
+from actors.engine.memory import KVPlan
 from actors.messages import WorkerLoad
 from deploy.cluster_backend import ClusterBackend, can_serve
 
@@ -64,3 +68,15 @@ def test_requests_waiting_for_a_decode_row_are_reported() -> None:
 
     assert asyncio.run(main())["row_queue"] == {"waiting": 1, "num_queued": 1, "interactive_waiting": False}
     assert "row_queue" not in health([load("d0", "decode")])  # a client without one says nothing
+
+
+def test_each_worker_reports_how_its_kv_pool_was_sized() -> None:
+    plan = KVPlan("planned", device="cuda:0", num_blocks=4096, block_size=16, bytes_per_block=368_640,
+                  kv_bytes=4096 * 368_640, weights_bytes=270 << 20, free_bytes=60 << 30,
+                  activation_peak_bytes=300 << 20, fraction=0.9, share=0.5)
+    report = health([replace(load("p0", "prefill"), kv_plan=plan), load("d0", "decode")])
+    assert report["workers"]["p0"]["kv_plan"] == plan.to_dict()
+    got = report["workers"]["p0"]["kv_plan"]
+    assert (got["source"], got["device"], got["num_blocks"], got["max_tokens"]) == ("planned", "cuda:0", 4096, 65536)
+    assert report["workers"]["d0"]["kv_plan"] is None  # a load without one (a worker that is down): unknown
+    assert json.loads(json.dumps(report)) == report  # the plan travels as JSON-able figures

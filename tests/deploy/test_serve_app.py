@@ -157,6 +157,17 @@ def test_bad_input_and_disconnect_free_everything(served):
         pytest.fail(f"blocks not freed after a disconnect: {workers}")
 
 
+def test_health_shows_how_each_workers_kv_pool_was_sized(served):
+    import httpx2
+
+    workers = httpx2.get(f"{served}/health", timeout=30).json()["workers"]
+    assert sorted(w["kind"] for w in workers.values()) == ["decode", "prefill"]
+    for w in workers.values():  # `kv_cache_mib: 4` in the app's config: explicit, on the CPU Ray granted
+        plan = w["kv_plan"]
+        assert (plan["source"], plan["device"], plan["kv_bytes"] <= 4 << 20) == ("kv_cache_bytes", "cpu", True)
+        assert plan["num_blocks"] == w["total_blocks"] and plan["max_tokens"] == 16 * w["total_blocks"]
+
+
 def test_nothing_listens_beyond_loopback(served):
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     import os

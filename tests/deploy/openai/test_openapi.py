@@ -87,6 +87,8 @@ def test_health(http: httpx.Client) -> None:
     assert r.status_code == 200
     body = r.json()
     assert body.pop("rss_mib") > 10  # the engine runs in the server's process
+    plan = body.pop("kv_plan")  # how the engine's KV pool was sized
+    assert (plan["source"], plan["device"], plan["num_blocks"]) == ("num_blocks", "cpu", NUM_BLOCKS)
     assert body == {"healthy": True, "model": "tiny", "engine_loop": "running", "num_running": 0,
                         "num_waiting": 0, "num_blocks_total": NUM_BLOCKS, "num_blocks_free": NUM_BLOCKS}
     assert r.headers["x-request-id"].startswith("req-")

@@ -33,8 +33,9 @@ def test_ray_accepts_the_cluster_yaml(raw: dict[str, Any]) -> None:
     types = cfg["available_node_types"]
     head, workers = types[cfg["head_node_type"]], [t for name, t in types.items() if name != cfg["head_node_type"]]
     assert head["resources"]["GPU"] == 0 and head["max_workers"] == 0
-    assert [w["resources"]["GPU"] for w in workers] == [8]
-    assert workers[0]["min_workers"] >= 1 and workers[0]["max_workers"] <= cfg["max_workers"]
+    assert sorted(w["resources"]["GPU"] for w in workers) == [1, 8]
+    assert [w["resources"]["GPU"] for w in workers if w["min_workers"] >= 1] == [1]  # a small GPU node from the start
+    assert sum(w["max_workers"] for w in workers) <= cfg["max_workers"]
 
 
 def test_nodes_install_ferry_with_the_right_torch(raw: dict[str, Any]) -> None:
@@ -46,6 +47,9 @@ def test_nodes_install_ferry_with_the_right_torch(raw: dict[str, Any]) -> None:
         torch_at = next(i for i, c in enumerate(cmds) if "torch==" in c)
         ferry_at = next(i for i, c in enumerate(cmds) if "pip install" in c and "-e ~/ferry" in c)
         assert torch_at < ferry_at  # torch first, or `pip install -e` would pick a build itself
+    cupy_at = next(i for i, c in enumerate(worker) if "cupy-cuda" in c)  # for the CUDA IPC KV transport
+    assert "torch.version.cuda" in worker[cupy_at] and cupy_at > next(i for i, c in enumerate(worker) if "torch==" in c)
+    assert not any("cupy" in c for c in head)
     assert cfg["file_mounts"]["~/ferry"] == "."
 
 

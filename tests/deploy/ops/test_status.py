@@ -1,5 +1,5 @@
 """`ferry status` against the in-process app (engine-shaped and cluster-shaped `/health`), an
-unhealthy server, and nothing at all."""
+unhealthy server, and nothing at all; each worker's KV plan (how its pool was sized) on a line."""
 
 from __future__ import annotations
 
@@ -19,8 +19,14 @@ CLUSTER_HEALTH = {
         "prefill-0": {"kind": "prefill", "healthy": True, "running": 2, "waiting": 5, "free_blocks": 100,
                       "total_blocks": 400},
         "decode-0": {"kind": "decode", "healthy": True, "running": 7, "waiting": 0, "free_blocks": 300,
-                     "total_blocks": 400, "rss_mib": 1391},
+                     "total_blocks": 400, "rss_mib": 1391, "kv_plan": None},
     },
+}
+GPU_PLAN = {  # the shape of `KVPlan.to_dict()`: a pool planned on half of a GPU, capped by its rows
+    "source": "planned", "device": "cuda:0", "num_blocks": 18432, "block_size": 16, "bytes_per_block": 368640,
+    "kv_bytes": 18432 * 368640, "weights_bytes": 270 << 20, "free_bytes": 75 << 30,
+    "activation_peak_bytes": 3 << 29, "activation_measured": True, "fraction": 0.9, "share": 0.5,
+    "capped_by": "max_rows_context", "max_tokens": 18432 * 16,
 }
 
 
@@ -33,7 +39,9 @@ def test_table_for_the_engine_backend(app: App, capsys: pytest.CaptureFixture[st
     row = out[2].split()
     assert row[:-1] == ["engine", "colocated", "ok", "0", "0", "0", "128", "128", "0%"]
     assert int(row[-1]) > 50  # the server's own process: the engine runs in it
-    assert out[3] == "SLO attainment: n/a (this server does not report it)"
+    assert out[3].split() == ["KV", "POOL", "DEVICE", "BLOCKS", "GIB", "TOKENS", "SIZED", "BY"]
+    assert out[4].split() == ["engine", "cpu", "128", "0.00", "2,048", "explicit", "num_blocks"]  # the fixture's
+    assert out[5] == "SLO attainment: n/a (this server does not report it)"
 
 
 SLO_REPORT = {"window_s": 60.0, "tenants": {  # the shape of deploy/dashboard's `slo_report()`
@@ -53,7 +61,7 @@ def test_table_and_json_for_cluster_workers_with_slo(app: App, capsys: pytest.Ca
     assert out[0].endswith(": healthy, 2 worker(s)")
     assert out[2].split() == ["decode-0", "decode", "ok", "7", "0", "100", "300", "400", "25%", "1391"]
     assert out[3].split() == ["prefill-0", "prefill", "ok", "2", "5", "300", "100", "400", "75%", "-"]  # unknown
-    assert out[4] == "SLO attainment over the last 60 s:"
+    assert out[4] == "SLO attainment over the last 60 s:"  # no worker reported a KV plan: no KV table
     assert out[5].split() == ["TENANT", "TTFT", "SLO", "TPOT", "SLO", "DONE", "RUNNING", "MET", "P99", "TTFT",
                               "P99", "TPOT"]
     assert [line.split() for line in out[6:]] == [  # by name
@@ -67,7 +75,29 @@ def test_table_and_json_for_cluster_workers_with_slo(app: App, capsys: pytest.Ca
     assert doc["healthy"] is True and doc["status_code"] == 200 and doc["slo"] == SLO_REPORT
     assert doc["workers"][0] == {"name": "decode-0", "kind": "decode", "healthy": True, "running": 7,
                                  "waiting": 0, "free_blocks": 300, "total_blocks": 400, "rss_mib": 1391,
-                                 "used_blocks": 100}
+                                 "kv_plan": None, "used_blocks": 100}
+
+
+def test_a_line_per_worker_says_how_its_kv_pool_was_sized(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    workers = CLUSTER_HEALTH["workers"]
+    explicit = {"source": "kv_cache_bytes", "device": "cpu", "num_blocks": 512, "kv_bytes": 512 << 20,
+                "max_tokens": 8192}
+    app.backend.health_override = {"healthy": True, "workers": {
+        "decode-0": dict(workers["decode-0"], kv_plan=GPU_PLAN),  # type: ignore[arg-type]
+        "prefill-0": dict(workers["prefill-0"], kv_plan=explicit),  # type: ignore[arg-type]
+        "prefill-1": {"kind": "prefill", "healthy": False}}}  # down: no load, no plan
+    assert ferry(["status", "--url", app.base_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[5].split() == ["KV", "POOL", "DEVICE", "BLOCKS", "GIB", "TOKENS", "SIZED", "BY"]
+    assert out[6].split() == ["decode-0", "cuda:0", "18,432", "6.33", "294,912", "planned:", "0.9", "x", "0.5", "of",
+                              "(75.00", "GiB", "free", "-", "1.50", "GiB", "step", "peak),", "capped", "by",
+                              "max_rows_context"]
+    assert out[7].split() == ["prefill-0", "cpu", "512", "0.50", "8,192", "explicit", "kv_cache_bytes"]
+    assert out[8].split() == ["prefill-1", "-", "-", "-", "-", "-"]
+    assert out[6].index("18,432") + 6 == out[7].index("512") + 3  # numbers right-aligned
+    assert ferry(["status", "--url", app.base_url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [w["kv_plan"] for w in doc["workers"]] == [GPU_PLAN, explicit, None]
 
 
 def test_a_window_without_tenants_says_so(app: App, capsys: pytest.CaptureFixture[str]) -> None:
