@@ -36,7 +36,9 @@ class EngineSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when the Ray cluster has GPUs (each worker then asks Ray for one, or "
                             "a fraction), else cpu; cuda asks for GPUs even before a GPU node is up")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX), else "
+                            "float32 (3.5x faster than emulated bf16 on an AVX2 CPU)")
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     block_size: int = Field(16, gt=0)
     kv_cache_mib: int | None = Field(

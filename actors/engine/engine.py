@@ -64,12 +64,12 @@ class PreparedStep:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None) -> None:
-        self.cfg = cfg or EngineConfig()
+        self.device = resolve_device((cfg or EngineConfig()).device)
+        self.cfg = (cfg or EngineConfig()).resolved(self.device)  # concrete device and dtype from here on
         bound_onednn_caches()  # before the first matmul of this process reads the capacities
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
         dtype = parse_dtype(self.cfg.dtype)
-        self.device = resolve_device(self.cfg.device)
         self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
         model = model.to(device=self.device, dtype=dtype)
@@ -107,6 +107,7 @@ class Engine:
         from actors.engine.weights import load_weights
 
         cfg = cfg or EngineConfig()
+        cfg = cfg.resolved(resolve_device(cfg.device))
         path = resolve_model(str(model))
         t0 = time.perf_counter()
         loaded = load_weights(path)
@@ -115,13 +116,13 @@ class Engine:
         # would double the load-time peak and, through the allocator, the resident size after.
         with torch.device("meta"):
             net = CausalLM(loaded.config).to(parse_dtype(cfg.dtype))
-        net = net.to_empty(device=resolve_device(cfg.device))  # weights go straight to the device
+        net = net.to_empty(device=cfg.device)  # weights go straight to the device
         net.rope.reset_tables()  # derived from the config, not loaded: rebuild off the meta device
         net.load_weights(loaded.tensors)
         net.eval()
         del loaded
         _return_freed_memory()
-        logger.info("loaded %s on %s in %.1fs", path, cfg.device, time.perf_counter() - t0)
+        logger.info("loaded %s on %s in %s in %.1fs", path, cfg.device, cfg.dtype, time.perf_counter() - t0)
         return cls(net, tokenizer, cfg)
 
     # ----------------------------------------------------------------------------------- requests

@@ -4,7 +4,8 @@ Mental model (vLLM's `gpu_memory_utilization`, per engine): the weights are load
 forward of the largest step the scheduler may build (`max_num_batched_tokens` tokens, with logits
 for `max_num_seqs` rows) runs against a scratch cache while a `PeakMeter` watches; what the device
 has free after that, less the step's peak, is what is left, and the pool takes
-`kv_memory_fraction` of it times `kv_memory_share` (1 / the engines sharing this GPU or host).
+`kv_memory_fraction` of it, split by `kv_memory_share` (1 / the engines sharing this GPU or host;
+see `_budget`).
 Caps: never more than every row at full context needs, and on CPU at most `kv_cpu_max_bytes`
 (RAM is shared with everything else on the host, and several workers plan at once). An explicit
 `num_blocks` or `kv_cache_bytes` wins over the plan. A pool that cannot hold one request of
@@ -41,6 +42,7 @@ class KVPlan:
     bytes_per_block: int
     kv_bytes: int
     weights_bytes: int
+    dtype: str = ""  # the engine's (weights and activations); the KV's when kv_cache_dtype is auto
     free_bytes: int | None = None  # planned only: free on the device after weights and the profile step
     activation_peak_bytes: int | None = None  # planned only: the profiled step's peak
     activation_measured: bool = True  # False: estimated (CPU, or no way to measure)
@@ -56,7 +58,7 @@ class KVPlan:
         return {**asdict(self), "max_tokens": self.max_tokens}
 
     def describe(self) -> str:
-        line = (f"KV pool on {self.device}: {self.num_blocks} blocks x {self.block_size} tokens = "
+        line = (f"KV pool on {self.device} ({self.dtype}): {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.max_tokens} tokens, {self.kv_bytes / MIB:.0f} MiB ({self.source}")
         if self.source == "planned":
             line += (f": {self.fraction} x {self.share} of {(self.free_bytes or 0) / MIB:.0f} MiB free less a "
@@ -82,7 +84,7 @@ def plan_kv_cache(model: CausalLM, cfg: EngineConfig, max_model_len: int) -> KVP
     device = next(model.parameters()).device
     per_block = kv_bytes_per_block(model.cfg, cfg.block_size, cfg.kv_dtype)
     common = dict(device=str(device), block_size=cfg.block_size, bytes_per_block=per_block,
-                  weights_bytes=weights_bytes(model))
+                  weights_bytes=weights_bytes(model), dtype=cfg.dtype)
     if cfg.num_blocks is not None:
         return KVPlan("num_blocks", num_blocks=cfg.num_blocks, kv_bytes=cfg.num_blocks * per_block, **common)
     if cfg.kv_cache_bytes is not None:
@@ -91,7 +93,7 @@ def plan_kv_cache(model: CausalLM, cfg: EngineConfig, max_model_len: int) -> KVP
 
     peak, measured = profile_step(model, cfg)
     mem = memory_info(device)
-    budget = int(max(0, mem.free_bytes - peak) * cfg.kv_memory_fraction * cfg.kv_memory_share)
+    budget = _budget(mem, peak, common["weights_bytes"], cfg, device)  # type: ignore[arg-type]
     capped_by = None
     rows_cap = cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_size) * per_block
     if rows_cap < budget:
@@ -103,6 +105,21 @@ def plan_kv_cache(model: CausalLM, cfg: EngineConfig, max_model_len: int) -> KVP
     return KVPlan("planned", num_blocks=num_blocks, kv_bytes=num_blocks * per_block, free_bytes=mem.free_bytes,
                   activation_peak_bytes=peak, activation_measured=measured, fraction=cfg.kv_memory_fraction,
                   share=cfg.kv_memory_share, capped_by=capped_by, **common)
+
+
+def _budget(mem: MemoryInfo, peak: int, weights: int, cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes for the pool before the caps. One engine on its own GPU: the fraction of what is left
+    after its weights and step peak. A GPU shared by engines (share < 1) is split by its total,
+    so each engine gets the same pool whichever starts first: share x fraction of the GPU, less its
+    own weights and peak, and never more than is free now. On CPU RAM is split by what is
+    available (the pool's pages are only committed as blocks are written, so engines starting
+    together see about the same figure)."""
+    left = max(0, mem.free_bytes - peak) * cfg.kv_memory_fraction
+    if device.type == "cuda":
+        if cfg.kv_memory_share < 1:
+            left = min(left, cfg.kv_memory_share * cfg.kv_memory_fraction * mem.total_bytes - weights - peak)
+        return int(max(0, left))
+    return int(left * cfg.kv_memory_share)
 
 
 def _check_fits(num_blocks: int, cfg: EngineConfig, max_model_len: int, mem: MemoryInfo, peak: int) -> None:

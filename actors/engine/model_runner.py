@@ -7,9 +7,11 @@ blocks, and give me logits for the last one if asked". The runner puts single-to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from actors.engine.config import ModelConfig
@@ -34,6 +36,16 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On CPU it is calloc'd (numpy's zeros): the kernel maps zero pages on
+    first write, so a pool costs RAM only as its blocks are used, while torch.zeros would write,
+    and so commit, every page of a planned multi-GiB pool at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  *, pad_block: bool = False) -> None:
@@ -52,7 +64,7 @@ class ModelRunner:
         shape = (num_blocks + int(pad_block), block_size, cfg.num_kv_heads, cfg.head_dim)
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+            return _zeros(shape, dtype, self.device)
 
         int8 = kv_dtype == torch.int8
         self.kv_caches: list[KVCache] = [

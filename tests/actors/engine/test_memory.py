@@ -139,3 +139,27 @@ def test_the_cuda_plan_measures_the_step_and_fits_in_free_memory(tiny_llama_dir:
     assert plan.device.startswith("cuda") and 0 < plan.kv_bytes < plan.free_bytes
     free_now, _ = torch.cuda.mem_get_info()
     assert free_now > 0
+
+
+def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path: Path) -> None:
+    from actors.engine.config import auto_dtype, cpu_has_native_bf16
+
+    assert auto_dtype(torch.device("cuda")) == "bfloat16"
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor : 0\nflags\t\t: fpu avx avx2 avx512f\n")
+    assert not cpu_has_native_bf16(str(flags))
+    flags.write_text("processor : 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_has_native_bf16(str(flags))
+    assert EngineConfig(dtype="auto").resolved(torch.device("cpu")).dtype == auto_dtype(torch.device("cpu"))
+    with pytest.raises(ValueError, match="resolved per device"):
+        EngineConfig(dtype="auto").kv_dtype
+
+
+def test_a_cpu_pool_commits_memory_only_as_blocks_are_written(tiny_llama_dir: Path) -> None:
+    """calloc'd caches: a planned multi-GiB pool costs no RAM at start-up."""
+    from actors.engine.model_runner import _zeros
+
+    t = _zeros((1024, 16, 8, 64), torch.bfloat16, torch.device("cpu"))  # 16 MiB
+    assert t.shape == (1024, 16, 8, 64) and t.dtype == torch.bfloat16 and not t.any()
+    t[3, 2] = 1.5
+    assert float(t[3, 2, 7, 63]) == 1.5 and int(t.count_nonzero()) == 8 * 64
