@@ -89,10 +89,19 @@ def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
     return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine), stream_interval=cfg.stream_interval)
 
 
-def _open_transport(cfg: WorkerConfig, name: str) -> KVTransport:
+def _open_transport(cfg: WorkerConfig, name: str, kv_device: torch.device) -> KVTransport:
+    """The worker's endpoint, for KV living on `kv_device`. With KV on a GPU, `auto` picks CUDA IPC
+    when the whole Ray cluster is this one node (every peer is then on it), else NIXL with device
+    staging. Every worker decides from the cluster as it starts, so all agree on one kind; a node
+    that joins later leaves the running workers as they are."""
     if cfg.ucx_net_devices is not None:  # see WorkerConfig: UCX reads it when NIXL's agent starts
         os.environ.setdefault("UCX_NET_DEVICES", cfg.ucx_net_devices)
-    return make_transport(name, cfg.transfer)
+    peer_node = None
+    if kv_device.type == "cuda" and sum(1 for n in ray.nodes() if n.get("Alive")) == 1:
+        from transfer.cuda_ipc import this_node
+
+        peer_node = this_node()
+    return make_transport(name, cfg.transfer, kv_device=kv_device, peer_node=peer_node)
 
 
 def _checked_stats(engine: Engine) -> EngineStats:
@@ -120,13 +129,15 @@ class PrefillActor(_Inspected, PrefillWorker):
                  torch_threads: int | None = None) -> None:
         engine = _load_engine(cfg, torch_threads)
         pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
-        super().__init__(cfg, engine, _open_transport(cfg, name), kv_layout(engine.engine), pool, name)
+        super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
+                         pool, name)
 
 
 class DecodeActor(_Inspected, DecodeWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
         engine = _load_engine(cfg, torch_threads)
-        super().__init__(cfg, engine, _open_transport(cfg, name), kv_layout(engine.engine), name)
+        super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
+                         name)
 
 
 class ColocatedActor(_Inspected, ColocatedWorker):

@@ -64,7 +64,9 @@ class EngineSection(_Section):
 
 
 class TransferSection(_Section):
-    kind: Literal["auto", "nixl", "object_store"] = "auto"
+    kind: Literal["auto", "nixl", "cuda_ipc", "object_store"] = Field(
+        "auto", description="auto: cuda_ipc between GPU workers of a one-node cluster, else nixl where it "
+                            "imports (device staging when the KV is on a GPU), else the Ray object store")
     compression: Literal["none", "int8", "fp8"] = "none"
     num_shards: int = Field(2, ge=1)
     staging_mib: int = Field(64, gt=0)
