@@ -1,5 +1,9 @@
-"""Throughput of the ferry engine on SmolLM2-135M, beside `transformers` generate on the same GGUF.
+"""Throughput of the ferry engine on SmolLM2-135M, beside `transformers` generate on the same weights.
 
+On CPU (`--device cpu`, the default where torch sees no GPU) both run the real GGUF. On CUDA
+(`--device cuda`) both run on the GPU, ferry with CUDA graphs for its decode steps; `--model
+random-smollm2` writes random weights of SmolLM2-135M's exact shapes to a temporary HF folder first
+(seconds), for a GPU machine without the GGUF or a network: speed does not depend on the weights.
 What is measured, per dtype:
 - prefill: one request with a 512-token prompt and max_tokens=1, in one chunk; prompt tokens / wall
   time of the engine steps, median of a few runs after a warm-up. transformers: 512 / time of
@@ -9,14 +13,20 @@ What is measured, per dtype:
   time. transformers: (gen - 1) * B / (time(generate gen) - time(generate 1)) on the same prompts.
 - the weight-streaming bound at B=1: bytes of weights one decode step must read (every parameter
   once in the engine's dtype, the tied embedding counted once as the lm_head, plus the one
-  embedding row looked up) / memcpy rate measured in this run. KV reads are left out: at these
-  context lengths (<= 128 tokens) they are about 1% of the weights at most.
+  embedding row looked up) / memory bandwidth measured in this run: on CPU the memcpy rate (bytes
+  copied per second), on CUDA a device-to-device copy's traffic (bytes read + written per second,
+  the figure bench/kernels.py measures kernels against). KV reads are left out: at these context
+  lengths (<= 128 tokens) they are about 1% of the weights at most.
+- CUDA only: decode at B=1 again with `enforce_eager=True` (no CUDA graphs), beside the graphed
+  figure, and the engine's KV plan (the pool sized from free device memory).
 Prompts are fresh random token ids on every run, so the prefix cache never hits. The two engines
 run interleaved (each figure right after its counterpart) so that load from other users of a
 shared box hits both alike. No assertions: targets are printed beside the figures.
 
-    .venv/bin/python bench/engine.py [--dtypes float32,bfloat16] [--batch-sizes 1,8,32]
-        [--gen-tokens 64] [--skip-transformers] [--threads N] [--json]
+    .venv/bin/python bench/engine.py [--device auto|cpu|cuda|cuda:N] [--model smollm2|random-smollm2|PATH]
+        [--dtypes float32,bfloat16] [--batch-sizes 1,8,32] [--gen-tokens 64] [--skip-transformers]
+        [--threads N] [--json]
+Defaults per device: CPU float32,bfloat16 at B=1,8,32; CUDA bfloat16 at B=1,32,256.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import gc
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,26 +65,79 @@ from bench.common import (
 )
 
 MODEL = "smollm2"
+RANDOM_SMOLLM2 = "random-smollm2"  # --model: random weights of SmolLM2-135M's shapes, written on the fly
 PREFILL_TOKENS = 512
 DECODE_PROMPT_TOKENS = 64
-TARGET_MIN_RATIO_AT_32 = 1.3  # ferry / transformers decode at 32 sequences
+TARGET_MIN_RATIO_AT_32 = 1.3  # CPU: ferry / transformers decode at 32 sequences
 TARGET_MIN_FRACTION_OF_BOUND_AT_1 = 0.6  # ferry decode at 1 sequence / weight-streaming bound
+CUDA_TARGET_MIN_RATIO_AT_32 = 2.0  # CUDA (issue 19): ferry / transformers decode at 32 sequences
+CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # the CPU bench's pool, as before the pool was planned
+CUDA_MAX_MODEL_LEN = 1024  # CUDA: the longest request here is 512 + 1 tokens; graphs span this context
+DEVICE_COPY_BYTES = 1 << 30
+
+# SmolLM2-135M-Instruct's architecture (shared/NOTES-model.md), as `write_tiny_model` arguments.
+SMOLLM2_SHAPE: dict[str, Any] = {
+    "vocab_size": 49152, "hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3,
+    "intermediate_size": 1536, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}
+
+
+def write_random_smollm2(out_dir: str | Path, seed: int = 0) -> Path:
+    """An HF folder with random weights of SmolLM2-135M's shapes (538 MB of float32; ~5 s on 2
+    cores). Its tokenizer is the tiny model's small BPE: benches and tests feed token ids."""
+    from actors.engine.tiny_model import write_tiny_model
+
+    return write_tiny_model(out_dir, seed=seed, **SMOLLM2_SHAPE)
 
 
 def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(num_tokens)]
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_copy_bytes_per_s(device: torch.device, size_bytes: int = DEVICE_COPY_BYTES, repeats: int = 10) -> float:
+    """Best-of-`repeats` traffic of one device-to-device copy of `size_bytes`, as bytes read +
+    written per second (CUDA events), the same figure bench/kernels.py calls copy bandwidth."""
+    src = torch.ones(size_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best_s = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best_s = min(best_s, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * size_bytes / best_s
+
+
 # ------------------------------------------------------------------------------------------ ferry
 class FerryRunner:
-    def __init__(self, dtype: str, max_batch: int, rng: random.Random) -> None:
-        cfg = EngineConfig(
-            dtype=dtype,
-            max_num_seqs=max(max_batch, 1),
-            # every decode prompt prefills in the first step, and the long prompt in one chunk
-            max_num_batched_tokens=max(PREFILL_TOKENS, max_batch * DECODE_PROMPT_TOKENS),
-        )
-        self.engine = Engine.from_pretrained(MODEL, cfg)
+    def __init__(self, model: str | Path, dtype: str, max_batch: int, rng: random.Random,
+                 device: torch.device, enforce_eager: bool = False) -> None:
+        batch_tokens = max(PREFILL_TOKENS, max_batch * DECODE_PROMPT_TOKENS)
+        if device.type == "cpu":
+            cfg = EngineConfig(
+                dtype=dtype,
+                device="cpu",
+                max_num_seqs=max(max_batch, 1),
+                # every decode prompt prefills in the first step, and the long prompt in one chunk
+                max_num_batched_tokens=batch_tokens,
+                kv_cache_bytes=CPU_KV_CACHE_BYTES,
+            )
+        else:  # the pool is planned from free device memory, capped by max_num_seqs x max_model_len
+            cfg = EngineConfig(dtype=dtype, device=str(device), max_num_seqs=max(max_batch, 1),
+                               max_num_batched_tokens=batch_tokens, max_model_len=CUDA_MAX_MODEL_LEN,
+                               enforce_eager=enforce_eager)
+        self.device = device
+        self.engine = Engine.from_pretrained(model, cfg)
         self.vocab_size = self.engine.model_config.vocab_size
         self.rng = rng
         self._next_id = 0
@@ -88,6 +152,7 @@ class FerryRunner:
         t0 = time.perf_counter()
         while self.engine.has_unfinished_requests():
             self.engine.step()
+        synchronize(self.device)
         return PREFILL_TOKENS / (time.perf_counter() - t0)
 
     def decode_tok_s(self, batch: int, gen_tokens: int) -> dict[str, float]:
@@ -102,16 +167,22 @@ class FerryRunner:
             if t0 is None:
                 started |= {o.request_id for o in outputs if o.new_token_ids}
                 if len(started) == batch:
+                    synchronize(self.device)
                     t0 = time.perf_counter()  # every sequence has its first token: decode only from here
             else:
                 num_window_tokens += sum(len(o.new_token_ids) for o in outputs)
                 num_window_steps += 1
+        synchronize(self.device)
         elapsed_s = time.perf_counter() - t0 if t0 is not None else 0.0
         tok_s = num_window_tokens / elapsed_s if elapsed_s > 0 else 0.0
         return {"tok_s": tok_s, "tokens": num_window_tokens, "steps": num_window_steps, "seconds": elapsed_s}
 
     def weight_bytes_per_decode_step(self) -> int:
         return weight_bytes_per_decode_step(self.engine.runner.model)
+
+    def kv_plan(self) -> dict[str, Any] | None:
+        plan = getattr(self.engine, "kv_plan", None)
+        return plan.to_dict() if plan is not None else None
 
 
 def weight_bytes_per_decode_step(model: CausalLM) -> int:
@@ -126,14 +197,19 @@ def weight_bytes_per_decode_step(model: CausalLM) -> int:
 
 # ----------------------------------------------------------------------------------- transformers
 class TransformersRunner:
-    def __init__(self, path: Path, dtype: str, rng: random.Random) -> None:
+    def __init__(self, path: Path, dtype: str, rng: random.Random, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=parse_dtype(dtype)
-        ).eval()
+        if path.is_dir():  # an HF folder (random-smollm2 or a user's)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=parse_dtype(dtype))
+        # .to(dtype) too: a transformers that ignores `dtype=` must not bench float32 as bf16
+        self.model = model.to(device=device, dtype=parse_dtype(dtype)).eval()
+        self.device = device
         cfg = self.model.config
         eos = cfg.eos_token_id
         self.pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
@@ -141,6 +217,7 @@ class TransformersRunner:
         self.rng = rng
 
     def _generate_s(self, input_ids: torch.Tensor, new_tokens: int) -> float:
+        synchronize(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
@@ -151,6 +228,7 @@ class TransformersRunner:
                 do_sample=False,
                 pad_token_id=self.pad_token_id,
             )
+        synchronize(self.device)
         elapsed_s = time.perf_counter() - t0
         if out.shape[1] != input_ids.shape[1] + new_tokens:
             progress(f"warning: generate made {out.shape[1] - input_ids.shape[1]} tokens, not {new_tokens}")
@@ -158,7 +236,7 @@ class TransformersRunner:
 
     def _prompts(self, batch: int, num_tokens: int) -> torch.Tensor:
         rows = [random_prompt(self.rng, num_tokens, self.vocab_size) for _ in range(batch)]
-        return torch.tensor(rows, dtype=torch.long)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def prefill_tok_s(self) -> float:
         return PREFILL_TOKENS / self._generate_s(self._prompts(1, PREFILL_TOKENS), 1)
@@ -176,19 +254,24 @@ class TransformersRunner:
 # ---------------------------------------------------------------------------------------- driver
 def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: random.Random) -> dict[str, Any]:
     batches: list[int] = args.batch_sizes
-    progress(f"{dtype}: loading ferry engine")
-    ferry = FerryRunner(dtype, max(batches), rng)
+    device: torch.device = args.torch_device
+    on_cuda = device.type == "cuda"
+    progress(f"{dtype}: loading ferry engine on {device}")
+    ferry = FerryRunner(args.model_path, dtype, max(batches), rng, device)
     hf: TransformersRunner | None = None
     if not args.skip_transformers:
-        progress(f"{dtype}: loading transformers model from the same GGUF")
-        hf = TransformersRunner(resolve_model(MODEL), dtype, rng)
+        progress(f"{dtype}: loading transformers model from the same weights")
+        hf = TransformersRunner(args.model_path, dtype, rng, device)
 
     progress(f"{dtype}: warm-up")
     ferry.prefill_tok_s()
-    ferry.decode_tok_s(max(batches), min(args.gen_tokens, 4))
+    # CUDA: every batch size once, so that no lazily built graph or cuBLAS plan lands in a window
+    for b in batches if on_cuda else [max(batches)]:
+        ferry.decode_tok_s(b, min(args.gen_tokens, 4))
     if hf is not None:
         hf.prefill_tok_s()
-        hf.decode_tok_s(max(batches), min(args.gen_tokens, 4))
+        for b in batches if on_cuda else [max(batches)]:
+            hf.decode_tok_s(b, min(args.gen_tokens, 4))
 
     ferry_prefill: list[float] = []
     hf_prefill: list[float] = []
@@ -221,6 +304,21 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
         "ratio": None,
         "targets": {},
     }
+    if on_cuda:
+        result["ferry"]["kv_plan"] = ferry.kv_plan()
+    del ferry
+    gc.collect()
+    if on_cuda and "1" in ferry_decode and not args.skip_eager:
+        torch.cuda.empty_cache()
+        progress(f"{dtype}: decode B=1 with enforce_eager=True (no CUDA graphs)")
+        eager = FerryRunner(args.model_path, dtype, 1, rng, device, enforce_eager=True)
+        eager.decode_tok_s(1, min(args.gen_tokens, 4))
+        eager_b1 = eager.decode_tok_s(1, args.gen_tokens)
+        result["ferry"]["decode_eager_b1"] = eager_b1
+        result["ferry"]["cuda_graph_speedup_b1"] = (
+            ferry_decode["1"]["tok_s"] / eager_b1["tok_s"] if eager_b1["tok_s"] > 0 else None)
+        del eager
+        gc.collect()
     if "1" in ferry_decode:
         frac = ferry_decode["1"]["tok_s"] / bound_tok_s
         result["targets"]["b1_fraction_of_bound"] = {
@@ -235,19 +333,23 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
         }
         result["ratio"] = {
             "prefill": median(ferry_prefill) / median(hf_prefill),
-            "decode": {b: ferry_decode[b]["tok_s"] / hf_decode[b]["tok_s"] for b in ferry_decode},
+            # a window too short to time (a few tokens on a loaded box) has no ratio
+            "decode": {b: ferry_decode[b]["tok_s"] / hf_decode[b]["tok_s"] if hf_decode[b]["tok_s"] > 0 else None
+                       for b in ferry_decode},
         }
-        if "32" in ferry_decode:
+        if result["ratio"]["decode"].get("32") is not None:
             r = result["ratio"]["decode"]["32"]
-            result["targets"]["b32_vs_transformers"] = {
-                "min": TARGET_MIN_RATIO_AT_32, "value": r, "met": r >= TARGET_MIN_RATIO_AT_32,
-            }
-    del ferry, hf
+            min_ratio = CUDA_TARGET_MIN_RATIO_AT_32 if on_cuda else TARGET_MIN_RATIO_AT_32
+            result["targets"]["b32_vs_transformers"] = {"min": min_ratio, "value": r, "met": r >= min_ratio}
+    del hf
     gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
     return result
 
 
 def render(figures: dict[str, Any]) -> str:
+    where = "" if figures["device"] == "cpu" else f" on {figures['device']}"
     rows = []
     for dtype, d in figures["dtypes"].items():
         hf, ratio, targets = d["transformers"], d["ratio"], d["targets"]
@@ -259,11 +361,18 @@ def render(figures: dict[str, Any]) -> str:
                 t = targets["b32_vs_transformers"]
                 target = f">= {t['min']:.1f}x: {'met' if t['met'] else 'NOT met'}"
             rows.append([dtype, f"decode B={b}", dec["tok_s"], hf["decode"][b]["tok_s"] if hf else None,
-                         f"{ratio['decode'][b]:.2f}x" if ratio else None, target])
+                         f"{ratio['decode'][b]:.2f}x" if ratio and ratio["decode"][b] is not None else None,
+                         target])
+        eager = d["ferry"].get("decode_eager_b1")
+        if eager is not None:
+            rows.append([dtype, "decode B=1 eager", eager["tok_s"], None, None, "no CUDA graphs"])
     main = format_table(["dtype", "phase", "ferry tok/s", "transformers tok/s", "ferry/hf", "target"], rows,
-                        title="Throughput, SmolLM2-135M-Instruct (tokens/s, higher is better)")
+                        title=f"Throughput, {figures['model_label']}{where} (tokens/s, higher is better)")
 
-    bw = figures["memcpy_bytes_per_s"]
+    on_cuda = "device_copy_bytes_per_s" in figures
+    bw = figures["device_copy_bytes_per_s"] if on_cuda else figures["memcpy_bytes_per_s"]
+    bw_label = (f"device copy {bw / 1e9:,.0f} GB/s, bytes read + written per second" if on_cuda
+                else f"memcpy {bw / 1e9:.1f} GB/s, bytes copied per second")
     bound_rows = []
     for dtype, d in figures["dtypes"].items():
         dec1 = d["ferry"]["decode"].get("1")
@@ -276,14 +385,16 @@ def render(figures: dict[str, Any]) -> str:
         ])
     bound = format_table(
         ["dtype", "weights MB/step", "bound tok/s", "ferry B=1 tok/s", "of bound", "target"], bound_rows,
-        title=f"Weight-streaming bound at B=1 (memcpy {bw / 1e9:.1f} GB/s, bytes copied per second)",
+        title=f"Weight-streaming bound at B=1 ({bw_label})",
     )
     c = figures["config"]
+    memory = (f"peak RSS {figures['peak_rss_bytes'] / 2**20:,.0f} MiB "
+              f"(whole bench process{'' if c['skip_transformers'] else ', transformers model included'})")
+    if on_cuda:
+        memory += f", peak device memory {figures['peak_device_bytes'] / 2**30:,.1f} GiB"
     footer = (f"torch threads {c['torch_threads']}, prompts {DECODE_PROMPT_TOKENS} tokens, "
               f"{c['gen_tokens']} generated per sequence, prefill median of {c['prefill_runs']}; "
-              f"peak RSS {figures['peak_rss_bytes'] / 2**20:,.0f} MiB "
-              f"(whole bench process{'' if c['skip_transformers'] else ', transformers model included'}); "
-              f"wall {figures['wall_s']:.0f} s")
+              f"{memory}; wall {figures['wall_s']:.0f} s")
     return "\n\n".join([main, bound, footer])
 
 
@@ -291,13 +402,33 @@ def _csv(kind: type) -> Any:
     return lambda s: [kind(x) for x in s.split(",") if x.strip()]
 
 
+def _resolve_bench_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: torch {torch.__version__} sees no CUDA device")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise SystemExit(f"--device {name}: choose auto, cpu, cuda or cuda:N")
+    return device
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", type=_csv(str), default=["float32", "bfloat16"])
-    parser.add_argument("--batch-sizes", type=_csv(int), default=[1, 8, 32])
+    parser.add_argument("--device", default="auto", help="auto (cuda when torch sees one), cpu, cuda or cuda:N")
+    parser.add_argument("--model", default=MODEL,
+                        help=f"a model name, GGUF file or HF folder; {RANDOM_SMOLLM2}: random weights of "
+                             "SmolLM2-135M's shapes written to a temporary folder")
+    parser.add_argument("--dtypes", type=_csv(str), default=None,
+                        help="default float32,bfloat16 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--batch-sizes", type=_csv(int), default=None,
+                        help="default 1,8,32 on CPU, 1,32,256 on CUDA")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--prefill-runs", type=int, default=3)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-eager", action="store_true", help="CUDA: no enforce_eager B=1 run")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for both engines (default: all CPUs)")
     parser.add_argument("--seed", type=int, default=0)
@@ -305,24 +436,47 @@ def main() -> None:
     args = parser.parse_args()
     if args.gen_tokens < 2:
         parser.error("--gen-tokens must be at least 2 (the decode window starts after the first token)")
+    device = args.torch_device = _resolve_bench_device(args.device)
+    on_cuda = device.type == "cuda"
+    if args.dtypes is None:
+        args.dtypes = ["bfloat16"] if on_cuda else ["float32", "bfloat16"]
+    if args.batch_sizes is None:
+        args.batch_sizes = [1, 32, 256] if on_cuda else [1, 8, 32]
     for dtype in args.dtypes:
         parse_dtype(dtype)
 
     t_start = time.perf_counter()
     threads = args.threads
     torch.set_num_threads(threads)  # both engines run under the same setting
-    progress(f"torch threads {threads}; measuring memcpy bandwidth (512 MiB, best of 5)")
-    bandwidth = memcpy_bandwidth_bytes_per_s()
-    rng = random.Random(args.seed)
-    figures: dict[str, Any] = {
-        "model": MODEL,
-        "config": {"torch_threads": threads, "batch_sizes": args.batch_sizes, "gen_tokens": args.gen_tokens,
-                   "prefill_tokens": PREFILL_TOKENS, "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
-                   "prefill_runs": args.prefill_runs, "skip_transformers": args.skip_transformers},
-        "memcpy_bytes_per_s": bandwidth,
-        "dtypes": {dtype: bench_dtype(dtype, args, bandwidth, rng) for dtype in args.dtypes},
-    }
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
+        if args.model == RANDOM_SMOLLM2:
+            progress("writing random weights of SmolLM2-135M's shapes")
+            args.model_path = write_random_smollm2(Path(tmp) / RANDOM_SMOLLM2, seed=args.seed)
+            label = "random weights, SmolLM2-135M shapes"
+        else:
+            args.model_path = resolve_model(args.model)
+            label = "SmolLM2-135M-Instruct" if args.model == MODEL else str(args.model)
+        figures: dict[str, Any] = {"model": args.model, "model_label": label}
+        if on_cuda:
+            figures["device"] = torch.cuda.get_device_name(device)
+            progress(f"measuring device copy bandwidth ({DEVICE_COPY_BYTES >> 20} MiB, best of 10)")
+            bandwidth = device_copy_bytes_per_s(device)
+            figures["device_copy_bytes_per_s"] = bandwidth
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            figures["device"] = "cpu"
+            progress(f"torch threads {threads}; measuring memcpy bandwidth (512 MiB, best of 5)")
+            bandwidth = memcpy_bandwidth_bytes_per_s()
+            figures["memcpy_bytes_per_s"] = bandwidth
+        rng = random.Random(args.seed)
+        figures["config"] = {"torch_threads": threads, "batch_sizes": args.batch_sizes,
+                             "gen_tokens": args.gen_tokens, "prefill_tokens": PREFILL_TOKENS,
+                             "decode_prompt_tokens": DECODE_PROMPT_TOKENS, "prefill_runs": args.prefill_runs,
+                             "skip_transformers": args.skip_transformers}
+        figures["dtypes"] = {dtype: bench_dtype(dtype, args, bandwidth, rng) for dtype in args.dtypes}
     figures["peak_rss_bytes"] = peak_rss_bytes()
+    if on_cuda:
+        figures["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     figures["wall_s"] = time.perf_counter() - t_start
     if args.json:
         print_json(figures)

@@ -10,6 +10,9 @@ is timed, not the gather), which is what a non-paged engine would run.
   not fit in free memory are skipped; the quantizers on 1 GiB of bf16 KV.
 - otherwise: the torch reference path (the engine's CPU path) on small shapes, beside a numpy
   memcpy, clearly labelled CPU reference timings.
+Target (issue 19, CUDA only): paged decode attention at batch 32 x context 8192, bf16 KV (1 GiB of
+KV, a heavy decode step) reaches >= 70% of the device copy bandwidth; `targets` in the JSON holds
+it with pass/fail, and `decode_summary` the spread over every bf16 shape with >= 256 MiB of KV.
 Usage: python bench/kernels.py [--json] [--json-out FILE]. Tables go to stdout, progress to stderr.
 """
 
@@ -37,6 +40,9 @@ HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE_BATCHES, DECODE_CONTEXTS = (1, 32, 128), (1024, 8192, 32768)
 COPY_BYTES = 4 << 30  # the device copy that sets the bandwidth ceiling
 QUANT_BLOCKS = 32768  # blocks of [BLOCK, HKV, HEAD_DIM] bf16 quantized: 1 GiB
+TARGET_SHAPE = (32, 8192, "bf16")  # (batch, context, kv) of the decode row the target reads
+TARGET_MIN_OF_COPY_BW = 0.7
+SUMMARY_MIN_KV_BYTES = 256 << 20  # smaller decode shapes are launch-bound, not bandwidth-bound
 
 
 def _progress(msg: str) -> None:
@@ -139,7 +145,22 @@ def run_cuda(dev: str = "cuda") -> dict[str, Any]:
         quant_rows.append({"kernel": name, "MiB_in": x.numel() * 2 / 2**20, "time_us": t * 1e6,
                            "GB_per_s": nbytes / t / GB, "of_copy_bw": nbytes / t / copy_bw})
     return {"mode": "cuda", "device": torch.cuda.get_device_name(), "copy_GB_per_s": copy_bw / GB,
-            "decode": rows, "quant": quant_rows}
+            "decode": rows, "quant": quant_rows, **decode_targets(rows)}
+
+
+def decode_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """`targets` (the issue's decode target, pass/fail; value None when its shape was skipped) and
+    `decode_summary` (fraction of copy bandwidth over the bandwidth-bound bf16 shapes)."""
+    at = [r for r in rows if (r["batch"], r["context"], r["kv"]) == TARGET_SHAPE]
+    value = at[0]["of_copy_bw"] if at else None
+    target = {"shape": {"batch": TARGET_SHAPE[0], "context": TARGET_SHAPE[1], "kv": TARGET_SHAPE[2]},
+              "min": TARGET_MIN_OF_COPY_BW, "value": value,
+              "met": value is not None and value >= TARGET_MIN_OF_COPY_BW}
+    big = [r["of_copy_bw"] for r in rows
+           if r["kv"] == "bf16" and r["batch"] * r["context"] * 2 * HKV * HEAD_DIM * 2 >= SUMMARY_MIN_KV_BYTES]
+    summary = {"min_kv_bytes": SUMMARY_MIN_KV_BYTES, "num_shapes": len(big),
+               "min_of_copy_bw": min(big, default=None), "max_of_copy_bw": max(big, default=None)}
+    return {"targets": {"decode_attention_of_copy_bw": target}, "decode_summary": summary}
 
 
 def _cpu_time(fn: Callable[[], Any], repeats: int = 5) -> float:
@@ -230,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(figures["decode"]))
     print("\nKV quantization (bytes read + written / time)")
     print(_table(figures["quant"]))
+    for name, t in figures.get("targets", {}).items():
+        value = "not measured" if t["value"] is None else f"{100 * t['value']:.0f}%"
+        shape = t["shape"]
+        print(f"\nTarget {name} (batch {shape['batch']}, context {shape['context']}, {shape['kv']} KV): "
+              f"{value} of copy bandwidth, >= {100 * t['min']:.0f}%: {'met' if t['met'] else 'NOT met'}")
     return 0
 
 
