@@ -56,6 +56,24 @@ def num_handoff_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return -(-(num_prompt_tokens - 1) // block_size)
 
 
+class HandoffTooLarge(ValueError):
+    """One layer of a request's KV does not fit the transport's staging: no shard count can ship it."""
+
+
+def num_handoff_shards(raw_bytes: int, num_layers: int, wanted: int, staging_bytes: int) -> int:
+    """Layer groups to ship `raw_bytes` of KV in: the configured `wanted`, or more when a shard
+    would take over a quarter of the staging (so several shards, and another request's, fit in
+    flight at once; a long prompt's KV, ~180 MiB for SmolLM2 at 8k tokens in bf16, is far past
+    the default 64 MiB). At most one layer per shard; a layer over the whole staging is refused.
+    `raw_bytes` bounds the encoded size: compression only shrinks it (headers aside)."""
+    per_layer = -(-raw_bytes // num_layers)
+    if per_layer > staging_bytes:
+        raise HandoffTooLarge(f"one layer of this request's KV is {per_layer / 2**20:.1f} MiB, more than the "
+                              f"{staging_bytes / 2**20:.0f} MiB transfer staging (transfer.staging_mib)")
+    needed = -(-raw_bytes // max(1, staging_bytes // 4))
+    return max(1, min(num_layers, max(wanted, needed)))
+
+
 def zero_stale_tail(kv: torch.Tensor, num_prompt_tokens: int, block_size: int) -> None:
     """Zeroes, in place, the slots of the last handed-off block past the prompt: they hold KV left
     by the block's earlier owner, which the receiver never reads but which would otherwise widen

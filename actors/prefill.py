@@ -31,7 +31,8 @@ from actors.engine.async_engine import AsyncEngine
 from actors.engine.block_hash import BlockHash
 from actors.engine.engine import Engine
 from actors.handoff import (
-    num_handoff_blocks, num_reusable_blocks, prompt_block_hashes, transfer_tag, zero_stale_tail,
+    num_handoff_blocks, num_handoff_shards, num_reusable_blocks, prompt_block_hashes, transfer_tag,
+    zero_stale_tail,
 )
 from actors.messages import GenerationRequest, PrefillResult, WorkerLoad
 from actors.pool_link import PoolLink, PoolLinkStats
@@ -53,6 +54,8 @@ class PrefillWorker(ReportsTelemetry):
         self.transport = transport
         self.layout = layout
         self.name = name or transport.name
+        # A shard must fit both our send staging and the receiver's (same config on both ends).
+        self._staging_bytes = min(cfg.transfer.send_staging_bytes, cfg.transfer.recv_staging_bytes)
         self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
         # Enough threads that a slow send or pool fetch does not hold up other requests' lookups.
         self._threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"prefill-{self.name}")
@@ -118,7 +121,8 @@ class PrefillWorker(ReportsTelemetry):
         zero_stale_tail(kv, req.num_prompt_tokens, self.layout.block_size)
         tag = transfer_tag(req.request_id)
         shards = encode(kv, self.layout, compression=self.cfg.compression,
-                        num_shards=min(self.cfg.num_shards, self.layout.num_layers),
+                        num_shards=num_handoff_shards(kv.numel() * kv.element_size(), self.layout.num_layers,
+                                                      self.cfg.num_shards, self._staging_bytes),
                         block_hashes=[*hashes[:n], *[0] * (n - len(hashes[:n]))], transfer_id=tag,
                         device=kv.device if kv.is_cuda and takes_device_shards(self.transport) else None)
         return kv, self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)

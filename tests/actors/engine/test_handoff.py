@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.sampling import SamplingParams
@@ -158,3 +160,17 @@ def test_abort_during_forward_is_deferred_to_the_end_of_the_step(tiny_llama_dir)
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort")]
     assert engine.kv.block_ids("a") == [] and not engine.has_unfinished_requests()
     engine.check_integrity()
+
+
+def test_long_prompts_ship_in_more_shards_so_each_fits_the_staging() -> None:
+    from actors.handoff import HandoffTooLarge, num_handoff_shards
+
+    mib = 1 << 20
+    assert num_handoff_shards(10 * mib, 30, 2, 64 * mib) == 2  # the configured count when shards fit
+    # SmolLM2 at 8,100 tokens in float32: 356 MiB of KV, shards of at most 16 MiB (a quarter of 64)
+    raw = 8100 * 30 * 2 * 3 * 64 * 4
+    n = num_handoff_shards(raw, 30, 2, 64 * mib)
+    assert n == 23 and -(-raw // n) <= 16 * mib
+    assert num_handoff_shards(raw, 30, 2, 16 * mib) == 30  # one layer (11.9 MiB) per shard at most
+    with pytest.raises(HandoffTooLarge, match="transfer.staging_mib"):
+        num_handoff_shards(raw, 30, 2, 8 * mib)
