@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from actors.engine.async_engine import AsyncEngine
 from actors.errors import HandoffFailed, KVNotArrived, RequestAborted
 from actors.handoff import transfer_tag
@@ -113,6 +115,7 @@ class KVReceiver:
             except Exception:  # keep landing other requests' KV; this one's lease will expire
                 logger.exception("%s: receiver step failed", self.transport.name)
             finally:
+                _wait_for_device_reads(batch)
                 for delivery in batch:
                     delivery.release()
 
@@ -203,3 +206,12 @@ class KVReceiver:
         # Caller holds _lock. Blocks first, so nothing reads or writes them once the stream fails.
         self.engine.locked(self.engine.engine.cancel_reservation, res.request_id)
         self.engine.fail_stream(res.request_id, error)
+
+
+def _wait_for_device_reads(batch: list[Delivery]) -> None:
+    """Shards in GPU memory (cuda_ipc, NIXL with device staging) are read by copies and kernels
+    that the writes only queued; their room may be handed to the next sender, another process
+    writing on its own stream, only once those reads have run."""
+    devices = {d.data.device for d in batch if isinstance(d.data, torch.Tensor) and d.data.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()

@@ -51,7 +51,7 @@ class DecodeGraphs:
         # Static device inputs (the graphs read these addresses) and their host staging twins.
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slots = torch.full((b,), runner.pad_block * runner.block_size, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((b, self.max_blocks), runner.pad_block, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
@@ -89,21 +89,19 @@ class DecodeGraphs:
     def _stage(self, chunks: list[SeqChunk], b: int) -> None:
         """Writes the step's rows, then padding, into the static inputs: one host->device copy
         per tensor, from pinned memory on CUDA, so nothing waits for the GPU here."""
-        bs, pad = self.runner.block_size, self.runner.pad_block
+        bs, pad, n = self.runner.block_size, self.runner.pad_block, len(chunks)
         rows = self._host_rows[:, :b]
-        rows[0].zero_()
-        rows[1].zero_()
-        rows[2].fill_(pad * bs)  # padding rows write their K/V into the pad block's first slot
-        rows[3].fill_(1)
+        rows[:, n:] = torch.tensor([[0], [0], [pad * bs], [1]])  # padding: the pad block's first slot
+        pos = [c.start_pos for c in chunks]
+        rows[:, :n] = torch.tensor([
+            [c.token_ids[0] for c in chunks], pos,
+            [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, pos)], [p + 1 for p in pos],
+        ], dtype=torch.int64)
         tables = self._host_tables[:b]
-        tables.fill_(pad)
+        table_np = tables.numpy()  # row slices through numpy: no tensor built per row
+        table_np.fill(pad)
         for i, c in enumerate(chunks):
-            pos = c.start_pos
-            rows[0, i] = c.token_ids[0]
-            rows[1, i] = pos
-            rows[2, i] = c.block_ids[pos // bs] * bs + pos % bs
-            rows[3, i] = pos + 1
-            tables[i, : len(c.block_ids)] = torch.as_tensor(c.block_ids, dtype=torch.int32)
+            table_np[i, : len(c.block_ids)] = c.block_ids
         nb = self.runner.device.type == "cuda"
         self.input_ids[:b].copy_(rows[0], non_blocking=nb)
         self.positions[:b].copy_(rows[1], non_blocking=nb)

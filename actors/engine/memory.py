@@ -91,7 +91,7 @@ def plan_kv_cache(model: CausalLM, cfg: EngineConfig, max_model_len: int) -> KVP
         n = max(1, cfg.kv_cache_bytes // per_block)
         return KVPlan("kv_cache_bytes", num_blocks=n, kv_bytes=n * per_block, **common)
 
-    peak, measured = profile_step(model, cfg)
+    peak, measured = profile_step(model, cfg, max_model_len)
     mem = memory_info(device)
     budget = _budget(mem, peak, common["weights_bytes"], cfg, device)  # type: ignore[arg-type]
     capped_by = None
@@ -133,10 +133,11 @@ def _check_fits(num_blocks: int, cfg: EngineConfig, max_model_len: int, mem: Mem
             f"the fraction, or set kv_cache_bytes (engine.kv_cache_mib) explicitly")
 
 
-def profile_step(model: CausalLM, cfg: EngineConfig) -> tuple[int, bool]:
+def profile_step(model: CausalLM, cfg: EngineConfig, max_model_len: int) -> tuple[int, bool]:
     """Runs the largest step this engine can schedule against a scratch KV cache and returns (peak
-    bytes it needed beyond the weights and the scratch cache, measured?). The step is one prompt
-    chunk plus single-token rows, so both attention paths run and `max_num_seqs` rows get logits.
+    bytes it needed beyond the weights and the scratch cache, measured?). The step is prompt chunks
+    plus single-token rows (`profile_chunks`), so both attention paths run and `max_num_seqs` rows
+    get logits.
 
     On CPU the peak is estimated instead: such a forward costs 5-25 s of start-up on two cores
     (bf16 without AVX-512), while the pool there is bounded by `kv_cpu_max_bytes` long before a
@@ -146,18 +147,29 @@ def profile_step(model: CausalLM, cfg: EngineConfig) -> tuple[int, bool]:
     rows = max(1, min(cfg.max_num_seqs, tokens))
     if device.type != "cuda":
         return estimate_step_bytes(model, cfg, tokens, rows), False
-    bs = cfg.block_size
-    prompt = tokens - (rows - 1)
-    prompt_blocks = math.ceil(prompt / bs)
-    scratch = ModelRunner(model, prompt_blocks + rows - 1, bs, cfg.kv_dtype)
-    chunks = [SeqChunk([0] * prompt, 0, list(range(prompt_blocks)), True)]
-    chunks += [SeqChunk([0], 0, [prompt_blocks + i], True) for i in range(rows - 1)]
+    chunks, num_blocks = profile_chunks(tokens, rows, max_model_len, cfg.block_size)
+    scratch = ModelRunner(model, num_blocks, cfg.block_size, cfg.kv_dtype)
     meter = PeakMeter(device)
     with meter.measure():
         scratch.execute(chunks)
     del scratch
     assert meter.peak_bytes is not None
     return meter.peak_bytes, True
+
+
+def profile_chunks(tokens: int, rows: int, max_model_len: int, block_size: int) -> tuple[list[SeqChunk], int]:
+    """The profiled step: `rows - 1` single-token rows and the rest of the `tokens` budget as prompt
+    chunks of at most `max_model_len` tokens each (positions past the model's context would index
+    past its RoPE table). -> (chunks, scratch blocks they use, each chunk its own)."""
+    chunks, used = [], 0
+    left = tokens - (rows - 1)
+    while left > 0:
+        n = min(left, max_model_len)
+        k = math.ceil(n / block_size)
+        chunks.append(SeqChunk([0] * n, 0, list(range(used, used + k)), True))
+        used, left = used + k, left - n
+    chunks += [SeqChunk([0], 0, [used + i], True) for i in range(rows - 1)]
+    return chunks, used + rows - 1
 
 
 def estimate_step_bytes(model: CausalLM, cfg: EngineConfig, tokens: int, rows: int) -> int:

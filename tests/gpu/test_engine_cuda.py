@@ -203,7 +203,10 @@ def test_cuda_graphs_give_the_tokens_of_eager_steps(name: str, dtype: str, model
         # first tokens come from eager prefill steps in both engines: bit for bit the same; a padded
         # graph's GEMMs may round bf16 differently, which may flip a later near tie
         assert [t[0] for t in graphed.tokens] == [t[0] for t in eager.tokens]
-        assert sum(g == e for g, e in zip(graphed.tokens, eager.tokens)) >= len(prompts) - 1
+        for g, e, g_lp, e_lp in zip(graphed.tokens, eager.tokens, graphed.logprobs, eager.logprobs):
+            k = next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None)
+            if k is not None:  # a divergence must be a near tie: both picks about as likely
+                assert abs(g_lp[k] - e_lp[k]) <= 0.05, (k, g_lp[k], e_lp[k])
 
 
 def test_auto_device_plans_the_kv_pool_from_free_device_memory(model_dirs: dict[str, Path]) -> None:

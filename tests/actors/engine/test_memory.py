@@ -163,3 +163,18 @@ def test_a_cpu_pool_commits_memory_only_as_blocks_are_written(tiny_llama_dir: Pa
     assert t.shape == (1024, 16, 8, 64) and t.dtype == torch.bfloat16 and not t.any()
     t[3, 2] = 1.5
     assert float(t[3, 2, 7, 63]) == 1.5 and int(t.count_nonzero()) == 8 * 64
+
+
+def test_the_profiled_step_never_runs_past_the_context(tiny_llama_dir: Path) -> None:
+    """A step budget larger than the model's context (here 1,024 positions) is profiled as several
+    prompt chunks; the step runs (on CPU here: CUDA runs the same chunks under the meter)."""
+    chunks, num_blocks = memory.profile_chunks(2048, 256, 1024, 16)
+    assert [len(c.token_ids) for c in chunks[:2]] == [1024, 769] and len(chunks) == 2 + 255
+    assert all(c.start_pos + len(c.token_ids) <= 1024 for c in chunks)
+    ids = [b for c in chunks for b in c.block_ids]
+    assert sorted(ids) == list(range(num_blocks))  # every chunk in blocks of its own
+    e = _engine(tiny_llama_dir, kv_cache_bytes=MIB)
+    from actors.engine.model_runner import ModelRunner
+
+    logits = ModelRunner(e.runner.model, num_blocks, 16, torch.float32).execute(chunks)
+    assert logits.shape == (257, e.model_config.vocab_size) and bool(torch.isfinite(logits).all())
