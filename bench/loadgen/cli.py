@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.loadgen.arrivals import synthetic_workload
+from bench.loadgen.bound import PrefillBound, measure_prefill_bound
 from bench.loadgen.client import ClientConfig, check_loopback, replay
 from bench.loadgen.metrics import Slo, summarize
 from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, health_figures, launched, served_model
@@ -41,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the one model file every peer serves")
     p.add_argument("--ferry-src", type=Path, default=None,
                    help="run ferry peers from this source tree (e.g. a `git archive HEAD` snapshot)")
-    p.add_argument("--ferry-dtype", default="bfloat16", help="the ferry peers' engine dtype (float32, bfloat16)")
+    p.add_argument("--ferry-dtype", default="auto",
+                   help="the ferry peers' engine dtype: auto (bfloat16 where the CPU has native bf16, else "
+                        "float32), float32, bfloat16; a --ferry-src older than dtype auto needs one named")
     p.add_argument("--ferry-stream-interval", type=int, default=1,
                    help="the ferry peers' stream_interval: tokens per streamed delta after the first (TTFT and "
                         "TPOT unchanged, ITL coarser, less CPU per token between the workers and the client)")
@@ -58,9 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="mean request rate (rps) the arrivals are scaled to")
     p.add_argument("--sweep", default=None, help="comma-separated rates; reports the goodput knee")
     p.add_argument("--knee-attainment", type=float, default=0.9, help="attainment a rate must reach to count")
-    p.add_argument("--length-scale", type=float, default=0.1, help="multiply prompt and output lengths")
-    p.add_argument("--max-model-len", type=int, default=1024, help="clip prompt + output to this")
-    p.add_argument("--max-output-len", type=int, default=64)
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply the trace's prompt and output lengths (1: production lengths, clipped below)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="clip prompts to this (0: no clip of its own)")
+    p.add_argument("--max-model-len", type=int, default=1152, help="clip prompt + output to this")
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--short-prompts", action="store_true",
+                   help="the former default workload: lengths x0.1, prompt + output <= 1024, output <= 64 "
+                        "(prompts of ~100 tokens hide capacity problems: compare with it, do not judge by it)")
+    p.add_argument("--prefill-bound", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the machine's prefill bound first (ferry's engine, all cores, the workload's "
+                        "mean prompt length) and report each system's knee as a fraction of it")
     p.add_argument("--input-len", type=int, default=128, help="prompt length without a trace")
     p.add_argument("--output-len", type=int, default=32, help="output length without a trace")
     p.add_argument("--slo", default="ttft:3000,tpot:250", help="ttft:MS,tpot:MS[,e2el:MS] for every tenant")
@@ -88,8 +99,10 @@ def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchReques
     if a.trace != "none":
         path = resolve_trace(a.trace)
         base = load_trace(path, limit=None if a.arrivals != "trace" else n)
-        base = scale_lengths(base, a.length_scale, a.max_model_len, a.max_output_len)
-        desc = f"{path.name}, lengths x{a.length_scale:g} clipped to {a.max_model_len} (output <= {a.max_output_len})"
+        base = scale_lengths(base, a.length_scale, a.max_model_len, a.max_output_len, a.max_prompt_len or None)
+        clip = f"prompt <= {a.max_prompt_len}, " if a.max_prompt_len else ""
+        desc = (f"{path.name}, lengths x{a.length_scale:g} clipped to {clip}output <= {a.max_output_len}, "
+                f"prompt + output <= {a.max_model_len}")
     if a.arrivals == "trace" and base:
         # Scale only the prefix that fits the time bound, so what is sent really averages `rate`
         # (a trace's rate drifts over an hour; scaling all of it would not bound this window).
@@ -149,7 +162,26 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
               file=sys.stderr, flush=True)
 
 
+def _prefill_bound(a: argparse.Namespace, rate: float) -> PrefillBound | None:
+    if not a.prefill_bound:
+        return None
+    reqs, _ = build_workload(a, rate)
+    mean_prompt = sum(r.prompt_len for r in reqs) / max(1, len(reqs))
+    print(f"[bench] measuring the prefill bound ({mean_prompt:.0f}-token prompts, {a.ferry_dtype})",
+          file=sys.stderr, flush=True)
+    bound = measure_prefill_bound(a.gguf, a.ferry_dtype, mean_prompt)
+    print(f"[bench] {bound.describe()}", file=sys.stderr, flush=True)
+    return bound
+
+
+def apply_short_prompts(a: argparse.Namespace) -> None:
+    """--short-prompts: the former default workload's lengths."""
+    if a.short_prompts:
+        a.length_scale, a.max_prompt_len, a.max_model_len, a.max_output_len = 0.1, 0, 1024, 64
+
+
 def run_bench(a: argparse.Namespace) -> int:
+    apply_short_prompts(a)
     rates = [float(r) for r in a.sweep.split(",")] if a.sweep else [a.rate]
     slos = {"default": Slo.parse(a.slo)}
     if a.batch_slo:
@@ -158,6 +190,7 @@ def run_bench(a: argparse.Namespace) -> int:
     out = a.out / stamp
     out.mkdir(parents=True, exist_ok=True)
     results: list[SystemResult] = []
+    bound = _prefill_bound(a, rates[0])
     if a.url:
         check_loopback(a.url)
         model = a.model or served_model(a.url)
@@ -189,11 +222,14 @@ def run_bench(a: argparse.Namespace) -> int:
                         f"<= {a.num_requests} requests and {a.duration:g} s (+{a.grace:g} s grace) per rate",
             "slo": {k: ", ".join(f"{f[:-3].upper()} <= {getattr(v, f):g} ms" for f in ("ttft_ms", "tpot_ms", "e2el_ms")
                                  if getattr(v, f) is not None) for k, v in slos.items()}, "rates": rates, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "parallel": a.parallel}
+            "parallel": a.parallel, "prefill_bound": bound.to_dict() if bound else None}
     write_json(results, meta, out / "results.json")
     pngs = plot(results, a.knee_attainment, out)
     notes = sys.stderr if a.json else sys.stdout
-    print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment))
+    bound_rps = bound.rps if bound else None
+    print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment, bound_rps))
+    if bound and not a.json:
+        print(bound.describe())
     tenants = tenant_table(results)
     if tenants:
         print("\nper tenant (and batch rows preempted / resumed, the ingress's counts in /health):\n" + tenants,

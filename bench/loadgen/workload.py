@@ -98,8 +98,9 @@ def rescale_rate(reqs: list[BenchRequest], rate_rps: float) -> list[BenchRequest
 
 
 def scale_lengths(reqs: list[BenchRequest], factor: float, max_model_len: int,
-                  max_output_len: int | None = None) -> list[BenchRequest]:
-    """Multiply lengths by `factor` (>= 1 token each), then clip so prompt + output fits the context."""
+                  max_output_len: int | None = None, max_prompt_len: int | None = None) -> list[BenchRequest]:
+    """Multiply lengths by `factor` (>= 1 token each), then clip: the output to `max_output_len`,
+    the prompt to `max_prompt_len`, and both together to the context `max_model_len`."""
     assert factor > 0 and max_model_len >= 2
     block = max(1, round(MOONCAKE_BLOCK_TOKENS * factor))
     out = []
@@ -108,7 +109,7 @@ def scale_lengths(reqs: list[BenchRequest], factor: float, max_model_len: int,
         if max_output_len is not None:
             out_len = min(out_len, max_output_len)
         out_len = min(out_len, max_model_len - 1)
-        prompt = min(max(1, round(r.prompt_len * factor)), max_model_len - out_len)
+        prompt = min(max(1, round(r.prompt_len * factor)), max_model_len - out_len, max_prompt_len or max_model_len)
         # Keep only the hash ids whose blocks still start inside the clipped prompt.
         ids = r.hash_ids[: -(-prompt // block)] if r.hash_ids else ()
         out.append(replace(r, prompt_len=prompt, output_len=out_len, hash_ids=ids, block_tokens=block))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen.cli import add_arguments, build_workload
+from bench.loadgen.cli import add_arguments, apply_short_prompts, build_workload
 from bench.loadgen.metrics import RequestRecord, Slo, summarize
-from bench.loadgen.report import RatePoint, SystemResult, write_json, write_results_md
+from bench.loadgen.report import RatePoint, SystemResult, table, write_json, write_results_md
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -31,7 +31,14 @@ def test_trace_prefix_is_scaled_to_the_rate_within_the_time_bound() -> None:
     except FileNotFoundError:
         pytest.skip("shared/traces not present")
     assert len(reqs) == 91 and reqs[-1].arrival_s == pytest.approx(30.0)
-    assert all(r.prompt_len + r.output_len <= 1024 and r.output_len <= 64 for r in reqs)
+    # production lengths by default: prompts clipped to 1,024 and outputs to 128 tokens
+    assert all(r.prompt_len <= 1024 and r.output_len <= 128 for r in reqs)
+    assert sum(r.prompt_len for r in reqs) / len(reqs) > 500
+    short = _args("--duration", "30", "--short-prompts")
+    apply_short_prompts(short)
+    reqs, desc = build_workload(short, 3.0)
+    assert all(r.prompt_len + r.output_len <= 1024 and r.output_len <= 64 for r in reqs) and "x0.1" in desc
+    assert sum(r.prompt_len for r in reqs) / len(reqs) < 300
 
 
 def _point(rate: float, good: int, sent: int) -> RatePoint:
@@ -58,3 +65,19 @@ def test_results_files(tmp_path: Path) -> None:
     assert row_b.split()[-1] == "2.00"  # a's goodput / b's
     write_json(results, meta, tmp_path / "r.json")
     assert '"skipped": "not built"' in (tmp_path / "r.json").read_text()
+
+
+def test_the_table_shows_each_knee_as_a_fraction_of_the_prefill_bound(tmp_path: Path) -> None:
+    results = [SystemResult("a", [_point(1, 10, 10), _point(2, 19, 20)]), SystemResult("b", [_point(1, 5, 10)]),
+               SystemResult("c", skipped="not built")]
+    out = table(results, 0.9, bound_rps=4.0)
+    lines = out.splitlines()
+    assert "knee / prefill bound" in lines[0]
+    assert lines[2].split()[-1] == "0.50"  # a's knee, 2 rps, of 4
+    assert lines[3].split()[-1] == "-"  # b met no target
+    bound = {"rps": 4.0, "prefill_tok_s": 4000.0, "dtype": "float32", "threads": 2, "prompt_tokens": 1000,
+             "mean_prompt_tokens": 1000.0}
+    meta = {"machine": "m", "command": "c", "workload": "w", "slo": {}, "when": "now", "prefill_bound": bound}
+    write_results_md(results, meta, 0.9, tmp_path / "R.md", [])
+    text = (tmp_path / "R.md").read_text()
+    assert "prefill bound: 4.000 rps = 4000 prefill tokens/s" in text and "knee / prefill bound" in text
