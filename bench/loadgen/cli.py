@@ -190,7 +190,7 @@ def run_bench(a: argparse.Namespace) -> int:
     out = a.out / stamp
     out.mkdir(parents=True, exist_ok=True)
     results: list[SystemResult] = []
-    bound = _prefill_bound(a, rates[0])
+    bound = _prefill_bound(a, max(rates))  # the rate sending the most requests: the steadiest mean
     if a.url:
         check_loopback(a.url)
         model = a.model or served_model(a.url)
