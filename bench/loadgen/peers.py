@@ -48,7 +48,7 @@ class PeerSpec:
     threads: int = 2
     startup_timeout_s: float = 300.0
     ferry_src: Path | None = None  # run ferry from this source tree (a clean snapshot), else the repo
-    ferry_dtype: str = "bfloat16"  # as deploy/serve.yaml: on CPUs with avx512_bf16 the faster one
+    ferry_dtype: str = "auto"  # as deploy/serve.yaml: bfloat16 on CPUs with native bf16, else float32
     ferry_stream_interval: int = 1  # tokens per streamed delta after the first (the app's default: 1)
     # The SLO the run measures, given to ferry's scheduler as its default tenant's contract (the
     # operator states it; llama.cpp has nothing to tell), and whether its decode workers may
@@ -57,6 +57,7 @@ class PeerSpec:
     slo_tpot_ms: float | None = None
     ferry_local_prefill: bool = True
     ferry_preempt_batch: bool = True  # interactive requests may take batch-class rows (scheduler.preempt_batch)
+    ferry_torch_threads: int | None = None  # threads per engine; None: the app's split of the CPUs
 
 
 def free_port() -> int:
@@ -87,6 +88,8 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                           "dtype": spec.ferry_dtype},
                "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False},
                "scheduler": {"local_prefill": spec.ferry_local_prefill}}
+        if spec.ferry_torch_threads is not None:
+            cfg["engine"]["torch_threads"] = spec.ferry_torch_threads
         if not spec.ferry_preempt_batch:  # only when off: older snapshots (--ferry-src) do not know the key
             cfg["scheduler"]["preempt_batch"] = False
         tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms)) if v is not None}
