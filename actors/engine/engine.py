@@ -44,16 +44,6 @@ logger = logging.getLogger(__name__)
 STEP_RECORDS_KEPT = 1024  # steps not taken by a reader (`take_step_records`) fall off the end
 
 
-def _return_freed_memory() -> None:
-    """Hands the freed float32 load buffers back to the OS (glibc keeps them otherwise)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 @dataclass(frozen=True)
 class PreparedStep:
     batch: ScheduledBatch
@@ -64,8 +54,9 @@ class PreparedStep:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None) -> None:
-        self.device = resolve_device((cfg or EngineConfig()).device)
-        self.cfg = (cfg or EngineConfig()).resolved(self.device)  # concrete device and dtype from here on
+        cfg = cfg or EngineConfig()
+        self.device = resolve_device(cfg.device)
+        self.cfg = cfg.resolved(self.device)  # concrete device and dtype from here on
         bound_onednn_caches()  # before the first matmul of this process reads the capacities
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -102,28 +93,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | Path, cfg: EngineConfig | None = None) -> "Engine":
         """Builds an engine from a known model name (fetched into the cache if missing), a GGUF
-        file or an HF folder."""
-        from actors.engine.fetch import resolve_model
-        from actors.engine.weights import load_weights
+        file or an HF folder, on the configured device."""
+        from actors.engine.loader import load_model
 
         cfg = cfg or EngineConfig()
         cfg = cfg.resolved(resolve_device(cfg.device))
-        path = resolve_model(str(model))
-        t0 = time.perf_counter()
-        loaded = load_weights(path)
-        tokenizer = Tokenizer.load(path)
-        # Parameters are allocated once, in the serving dtype: a float32 copy beside a bf16 one
-        # would double the load-time peak and, through the allocator, the resident size after.
-        with torch.device("meta"):
-            net = CausalLM(loaded.config).to(parse_dtype(cfg.dtype))
-        net = net.to_empty(device=cfg.device)  # weights go straight to the device
-        net.rope.reset_tables()  # derived from the config, not loaded: rebuild off the meta device
-        net.load_weights(loaded.tensors)
-        net.eval()
-        del loaded
-        _return_freed_memory()
-        logger.info("loaded %s on %s in %s in %.1fs", path, cfg.device, cfg.dtype, time.perf_counter() - t0)
-        return cls(net, tokenizer, cfg)
+        return cls(*load_model(model, cfg), cfg)
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(

@@ -70,13 +70,7 @@ class KVPlan:
 
 
 def weights_bytes(model: CausalLM) -> int:
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():  # tied weights once
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields tied ones once
 
 
 def plan_kv_cache(model: CausalLM, cfg: EngineConfig, max_model_len: int) -> KVPlan:

@@ -63,14 +63,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the engine when it captures them
         shape = (num_blocks + int(pad_block), block_size, cfg.num_kv_heads, cfg.head_dim)
 
-        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return _zeros(shape, dtype, self.device)
-
-        int8 = kv_dtype == torch.int8
+        int8, dev = kv_dtype == torch.int8, self.device
         self.kv_caches: list[KVCache] = [
-            KVCache(zeros(shape, kv_dtype), zeros(shape, kv_dtype),
-                    zeros(shape[:3], torch.float32) if int8 else None,
-                    zeros(shape[:3], torch.float32) if int8 else None)
+            KVCache(_zeros(shape, kv_dtype, dev), _zeros(shape, kv_dtype, dev),
+                    _zeros(shape[:3], torch.float32, dev) if int8 else None,
+                    _zeros(shape[:3], torch.float32, dev) if int8 else None)
             for _ in range(cfg.num_layers)
         ]
 

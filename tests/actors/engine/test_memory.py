@@ -137,8 +137,6 @@ def test_the_cuda_plan_measures_the_step_and_fits_in_free_memory(tiny_llama_dir:
     plan = e.kv_plan
     assert plan.source == "planned" and plan.activation_measured and plan.activation_peak_bytes > 0
     assert plan.device.startswith("cuda") and 0 < plan.kv_bytes < plan.free_bytes
-    free_now, _ = torch.cuda.mem_get_info()
-    assert free_now > 0
 
 
 def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path: Path) -> None:
