@@ -51,6 +51,7 @@ if __name__ == "__main__":
 import torch
 
 from actors.engine.config import EngineConfig, parse_dtype
+from actors.engine.device import DeviceUnavailable, resolve_device
 from actors.engine.engine import Engine
 from actors.engine.fetch import resolve_model
 from actors.engine.model import CausalLM
@@ -180,9 +181,8 @@ class FerryRunner:
     def weight_bytes_per_decode_step(self) -> int:
         return weight_bytes_per_decode_step(self.engine.runner.model)
 
-    def kv_plan(self) -> dict[str, Any] | None:
-        plan = getattr(self.engine, "kv_plan", None)
-        return plan.to_dict() if plan is not None else None
+    def kv_plan(self) -> dict[str, Any]:
+        return self.engine.kv_plan.to_dict()
 
 
 def weight_bytes_per_decode_step(model: CausalLM) -> int:
@@ -403,16 +403,10 @@ def _csv(kind: type) -> Any:
 
 
 def _resolve_bench_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: torch {torch.__version__} sees no CUDA device")
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise SystemExit(f"--device {name}: choose auto, cpu, cuda or cuda:N")
-    return device
+    try:
+        return resolve_device(name)
+    except DeviceUnavailable as e:
+        raise SystemExit(f"--device {name}: {e}") from None
 
 
 def main() -> None:

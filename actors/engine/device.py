@@ -29,7 +29,10 @@ def resolve_device(name: str) -> torch.device:
     CUDA device (Ray sets CUDA_VISIBLE_DEVICES per worker, so that is the worker's own GPU)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceUnavailable(f"device {name!r}: ferry runs on auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceUnavailable(f"device {name!r} asked for, but torch sees no CUDA device "

@@ -110,11 +110,13 @@ def test_host_memory_reads_meminfo_and_a_cgroup_limit(tmp_path: Path) -> None:
 
 
 def test_devices_resolve_and_cuda_is_refused_without_one() -> None:
+    from actors.engine.device import DeviceUnavailable
+
     assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(DeviceUnavailable, match="auto, cpu, cuda"):
+        resolve_device("tpu")
     if not torch.cuda.is_available():
         assert resolve_device("auto") == torch.device("cpu")
-        from actors.engine.device import DeviceUnavailable
-
         with pytest.raises(DeviceUnavailable, match="no CUDA device"):
             resolve_device("cuda")
     with pytest.raises(ValueError, match="device must be"):
