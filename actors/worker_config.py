@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from actors.engine.config import EngineConfig
 from transfer.codec import Compression
@@ -18,6 +19,9 @@ from transfer.config import TransferConfig
 
 MIB = 1 << 20
 WORKER_NUM_CPUS = 0.25  # bookkeeping: 1 prefill + 1 decode + 1 cache actor fit on 2 cores
+# libgomp (torch's OpenMP on CPU) reads this once, as the process starts: idle threads sleep at once
+# instead of spinning. Engines that share a node's cores then take them in turn, not from each other.
+SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass(frozen=True)
@@ -78,10 +82,14 @@ class WorkerResources:
     """What each worker actor asks Ray for, and so where its engine runs. `num_gpus` > 0: the engine
     runs on cuda, which inside the actor is the GPU Ray assigned it (Ray sets CUDA_VISIBLE_DEVICES);
     a fraction lets workers share one GPU (a prefill and a decode worker at 0.5 each). 0: the CPU.
-    CPUs are fractional bookkeeping either way; `torch_threads` decides the cores a CPU engine uses."""
+    CPUs are fractional bookkeeping either way; `torch_threads` decides the cores a CPU engine uses.
+    `share_cores`: the node's CPU engines each run on all its cores (`torch_threads` = the node's
+    CPUs), so a busy engine gets the cores an idle one leaves; their OpenMP threads then sleep when
+    idle (`SHARED_CORES_ENV`), or two busy engines would spin on each other's cores."""
 
     num_cpus: float = WORKER_NUM_CPUS
     num_gpus: float = 0.0
+    share_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.num_cpus < 0:
@@ -93,9 +101,12 @@ class WorkerResources:
     def device(self) -> str:
         return "cuda" if self.num_gpus > 0 else "cpu"
 
-    def actor_options(self) -> dict[str, float]:
+    def actor_options(self) -> dict[str, Any]:
         """Keyword arguments of `RemoteX.options(...)` for one worker actor."""
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.share_cores:
+            options["runtime_env"] = {"env_vars": dict(SHARED_CORES_ENV)}
+        return options
 
     def place(self, engine: EngineConfig) -> EngineConfig:
         """`engine` as it must run under these resources: an "auto" device pinned to the one Ray
@@ -114,20 +125,21 @@ class WorkerResources:
 
 def plan_worker_resources(device: str, num_workers: int, cluster_gpus: float, *,
                           num_gpus_per_worker: float | None = None,
-                          num_cpus: float = WORKER_NUM_CPUS) -> WorkerResources:
+                          num_cpus: float = WORKER_NUM_CPUS, share_cores: bool = False) -> WorkerResources:
     """Resources for each of `num_workers` workers whose engines are configured for `device`:
     "cpu"; "cuda" (or "cuda:N"), which asks for GPUs even when the cluster has none yet (an
     autoscaler starts a GPU node for the pending actors); or "auto", cuda when the cluster has GPUs
     now (`cluster_gpus`, its `GPU` resource total). Each worker gets `num_gpus_per_worker`, or by
     default a whole GPU while the cluster has one for every worker, else an equal fraction that
-    packs them onto its GPUs (1 GPU, 2 workers: 0.5 each), as CPU threads are split."""
+    packs them onto its GPUs (1 GPU, 2 workers: 0.5 each). `share_cores` applies to CPU workers only
+    (`WorkerResources.share_cores`)."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if device == "cpu" or (device == "auto" and cluster_gpus <= 0):
         if num_gpus_per_worker is not None:
             raise NoGpuForWorker(f"num_gpus_per_worker={num_gpus_per_worker:g} with device {device!r} and "
                                  f"{cluster_gpus:g} GPUs in the Ray cluster (device cuda waits for a GPU node)")
-        return WorkerResources(num_cpus=num_cpus)
+        return WorkerResources(num_cpus=num_cpus, share_cores=share_cores)
     if num_gpus_per_worker is not None:
         return WorkerResources(num_cpus=num_cpus, num_gpus=num_gpus_per_worker)
     whole_gpus = math.floor(cluster_gpus)

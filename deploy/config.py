@@ -58,9 +58,13 @@ class EngineSection(_Section):
     enable_prefix_caching: bool = True
     prepack_weights: bool = Field(True, description="CPU: keep a oneDNN-packed copy of each projection weight "
                                                     "(faster decode GEMMs for one more copy of the weights)")
+    cpu_cores: Literal["shared", "split"] = Field(
+        "shared", description="CPU engines: shared, every engine runs on all the node's cores and sleeps "
+                              "when idle (OMP_WAIT_POLICY=PASSIVE), so a busy prefill gets the cores an idle "
+                              "decode leaves; split, each engine keeps an equal part of the cores")
     torch_threads: int | None = Field(
-        None, gt=0, description="threads each worker's kernels use; default: this node's CPUs split evenly "
-                                "among the app's engines (so they never oversubscribe a CPU-only box)")
+        None, gt=0, description="threads each worker's kernels use; default: all of this node's CPUs "
+                                "(cpu_cores shared), or an equal split of them among the app's engines (split)")
 
 
 class TransferSection(_Section):
@@ -120,7 +124,8 @@ class AppConfig(_Section):
     def worker_resources(self, cluster_gpus: float) -> WorkerResources:
         """What each worker asks Ray for on a cluster with `cluster_gpus` GPUs now."""
         return plan_worker_resources(self.engine.device, self.num_engines, cluster_gpus,
-                                     num_gpus_per_worker=self.engine.num_gpus_per_worker)
+                                     num_gpus_per_worker=self.engine.num_gpus_per_worker,
+                                     share_cores=self.engine.cpu_cores == "shared")
 
     def to_engine_config(self, resources: WorkerResources | None = None) -> EngineConfig:
         """The engine of each worker. With `resources` (`worker_resources`) its device is the one Ray

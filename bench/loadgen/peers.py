@@ -83,7 +83,7 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
         if not ferry.exists():
             raise PeerUnavailable(f"{ferry} missing (pip install -e . in .venv)")
         cfg = {"model": str(spec.gguf), "mode": "colocated" if name == "ferry-colocated" else "disaggregated",
-               # torch_threads left to the app: it splits the CPUs among its engines (1 + 1 here)
+               # torch_threads left to the app: every engine on all the cores, sleeping when idle (engine.cpu_cores)
                "engine": {"max_num_seqs": spec.parallel, "max_model_len": spec.ctx_per_slot,
                           "dtype": spec.ferry_dtype},
                "stream_interval": spec.ferry_stream_interval, "api": {"auth_required": False},

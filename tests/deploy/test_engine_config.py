@@ -35,7 +35,7 @@ def test_an_explicit_kv_size_wins_over_the_plan_and_every_field_maps() -> None:
 
 @pytest.mark.parametrize(("args", "cluster_gpus", "want"), [
     # (device, num_gpus asked of Ray, kv_memory_share)
-    ({}, 0.0, ("cpu", 0.0, 1 / 2)),  # CPU: the host split among the engines, as torch threads are
+    ({}, 0.0, ("cpu", 0.0, 1 / 2)),  # CPU: the host's memory split among the engines
     ({"num_prefill": 1, "num_decode": 2}, 0.0, ("cpu", 0.0, 1 / 3)),
     ({"mode": "colocated", "num_decode": 4}, 0.0, ("cpu", 0.0, 1 / 4)),
     ({}, 8.0, ("cuda", 1.0, 1.0)),  # a GPU each: all of it
@@ -49,7 +49,10 @@ def test_resources_and_engine_follow_the_cluster(args: dict, cluster_gpus: float
     resources = cfg.worker_resources(cluster_gpus)
     engine = cfg.to_worker_config(resources).engine
     assert (engine.device, resources.num_gpus, engine.kv_memory_share) == pytest.approx(want)
-    assert resources.actor_options() == {"num_cpus": 0.25, "num_gpus": want[1]}
+    options = resources.actor_options()
+    assert {k: options[k] for k in ("num_cpus", "num_gpus")} == {"num_cpus": 0.25, "num_gpus": want[1]}
+    # CPU engines share the node's cores (engine.cpu_cores), so their OpenMP threads sleep when idle
+    assert ("runtime_env" in options) == (want[0] == "cpu")
 
 
 def test_bad_engine_fields_are_named() -> None:

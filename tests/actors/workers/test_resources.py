@@ -176,3 +176,26 @@ def test_a_cpu_worker_reports_its_kv_plan_on_every_load_poll(ray_cluster: Module
         assert plan["max_tokens"] == 24 * plan["block_size"] == load.num_total_blocks * plan["block_size"]
     finally:
         pd.shutdown()
+
+
+def _omp_wait_policy_and_threads(_actor: object) -> tuple[str | None, int]:
+    import os
+
+    import torch
+
+    return os.environ.get("OMP_WAIT_POLICY"), torch.get_num_threads()
+
+
+@pytest.mark.ray
+def test_workers_that_share_cores_start_with_sleeping_openmp_threads(ray_cluster: ModuleType,
+                                                                     tiny_model_dir: Path) -> None:
+    cfg = WorkerConfig(model=str(tiny_model_dir), engine=EngineConfig(num_blocks=24))
+    pd = ray_actors.start_colocated(cfg, torch_threads=2, name_prefix="shared",
+                                    resources=WorkerResources(share_cores=True))
+    try:
+        [handle] = pd.decodes.values()
+        # libgomp reads the policy as the process starts, so it must be in the actor's environment
+        got = ray_cluster.get(handle.__ray_call__.remote(_omp_wait_policy_and_threads), timeout=60)
+        assert got == ("PASSIVE", 2)
+    finally:
+        pd.shutdown()
