@@ -94,7 +94,7 @@ class ClusterBackend:
                 "worker": result.worker, "computed_tokens": result.num_computed_tokens,
                 "local_hit_blocks": result.num_local_hit_blocks, "pool_hit_blocks": result.num_pool_hit_blocks,
                 "kv_wire_bytes": result.kv_wire_bytes, "queued_s": result.queued_s, "lookup_s": result.lookup_s,
-                "compute_s": result.compute_s, "transfer_s": result.transfer_s,
+                "compute_s": result.compute_s, "transfer_s": result.transfer_s, "finished_at": result.finished_at,
             }
         return data
 

@@ -26,8 +26,9 @@ from bench.loadgen.bound import PrefillBound, measure_prefill_bound
 from bench.loadgen.client import ClientConfig, check_loopback, replay
 from bench.loadgen.metrics import Slo, summarize
 from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, health_figures, launched, served_model
-from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, table, tenant_table, write_json,
-                                  write_results_md)
+from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, stage_table, table, tenant_table,
+                                  write_json, write_results_md)
+from bench.loadgen.stages import fetch_timelines, summarize_stages
 from bench.loadgen.workload import (BenchRequest, assign_tenants, load_trace, rescale_rate, resolve_trace,
                                     scale_lengths)
 
@@ -153,12 +154,13 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         before, preempted_before = health_figures(url)
         records, dur = asyncio.run(replay(cfg, reqs))
         s = summarize(records, dur, slos)
+        stages = summarize_stages(records, fetch_timelines(url, records), dur)
         after, preempted_after = health_figures(url)
         preemptions = None
         if preempted_before is not None and preempted_after is not None:
             preemptions = (preempted_after[0] - preempted_before[0], preempted_after[1] - preempted_before[1])
         result.points.append(RatePoint.of(rate, s, records, {
-            w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}, preemptions))
+            w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}, preemptions, stages))
         print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
               f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms",
               file=sys.stderr, flush=True)
@@ -237,6 +239,10 @@ def run_bench(a: argparse.Namespace) -> int:
     if tenants:
         print("\nper tenant (and batch rows preempted / resumed, the ingress's counts in /health):\n" + tenants,
               file=notes)
+    stage_lines = stage_table(results)
+    if stage_lines:
+        print("\nwhere the time went (ms, medians unless named; from the server's request timelines):\n"
+              + stage_lines, file=notes)
     memory = memory_table(results)
     if memory:
         print("\nworker memory (resident MiB, from /health) before and after each rate:\n" + memory, file=notes)

@@ -75,6 +75,7 @@ async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest,
     # As vLLM: the clock starts once a client slot is free, so TTFT is the server's, not our cap's.
     rec.send_s = time.perf_counter()
     async with client.stream("POST", cfg.completions_url, json=body, headers=headers) as resp:
+        rec.request_id = resp.headers.get("x-request-id")
         if resp.status_code != 200:
             rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return

@@ -52,6 +52,7 @@ class RequestRecord:
     error: str = ""
     tenant: str = "default"
     slo_class: str = "default"
+    request_id: str | None = None  # the server's x-request-id (ferry's timelines are keyed by it)
 
     @property
     def num_output(self) -> int:

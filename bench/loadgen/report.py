@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.common import format_table
 from bench.loadgen.metrics import RequestRecord, Summary
+from bench.loadgen.stages import STAGE_COLUMNS, stage_row
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,16 @@ class RatePoint:
     memory_mib: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
     # batch rows preempted and resumed during the rate (the ingress's counts); None if it says none
     preemptions: tuple[int, int] | None = None
+    # where the time went, from the server's own timelines (bench/loadgen/stages.py); None without
+    stages: dict[str, Any] | None = None
 
     @staticmethod
     def of(rate: float, summary: Summary, records: list[RequestRecord],
            memory_mib: dict[str, tuple[int | None, int | None]] | None = None,
-           preemptions: tuple[int, int] | None = None) -> "RatePoint":
+           preemptions: tuple[int, int] | None = None, stages: dict[str, Any] | None = None) -> "RatePoint":
         ok = [r for r in records if r.success and r.chunk_s]
-        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok], memory_mib or {}, preemptions)
+        return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok], memory_mib or {}, preemptions,
+                         stages)
 
 
 @dataclass(slots=True)
@@ -100,6 +104,15 @@ def memory_table(results: list[SystemResult]) -> str | None:
     return format_table(["system", "rate rps", "sent", "worker", "MiB before", "MiB after", "change MiB"], rows)
 
 
+def stage_table(results: list[SystemResult]) -> str | None:
+    """Per system and rate, where the time went (ferry's timelines; ms unless named); None when no
+    server kept timelines."""
+    rows = [[r.name, *stage_row(p.rate_rps, p.stages)] for r in results for p in r.points if p.stages]
+    if not rows:
+        return None
+    return format_table(["system", *(name for name, _ in STAGE_COLUMNS)], rows)
+
+
 def tenant_table(results: list[SystemResult]) -> str | None:
     """Each tenant's SLO attainment at each rate, with the batch rows the server preempted and
     resumed meanwhile; None unless some run had more than one tenant."""
@@ -123,7 +136,8 @@ def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) ->
     out = {"meta": meta, "systems": [{"name": r.name, "skipped": r.skipped, "points": [
         {"rate_rps": p.rate_rps, **p.summary.to_dict(),
          "memory_mib": {w: {"before": b, "after": a} for w, (b, a) in p.memory_mib.items()},
-         "preemptions": None if p.preemptions is None else dict(zip(("preempted", "resumed"), p.preemptions))}
+         "preemptions": None if p.preemptions is None else dict(zip(("preempted", "resumed"), p.preemptions)),
+         "stages": p.stages}
         for p in r.points]} for r in results]}
     path.write_text(json.dumps(out, indent=1, default=str))
 

@@ -12,10 +12,12 @@ import pytest
 
 from bench.loadgen.client import ClientConfig, replay
 from bench.loadgen.metrics import Slo, summarize
+from bench.loadgen.stages import _union_s, fetch_timelines, summarize_stages
 from bench.loadgen.workload import BenchRequest
 
 SEEN: list[dict[str, object]] = []
-HEALTH = {"calls": 0, "on": False}  # /health answers like a ferry cluster only when "on"
+HEALTH = {"calls": 0, "on": False}
+TIMELINES: dict[str, dict[str, object]] = {}  # request id -> what GET /v1/requests/{id}/timeline answers  # /health answers like a ferry cluster only when "on"
 
 
 class _Fake(BaseHTTPRequestHandler):
@@ -23,6 +25,7 @@ class _Fake(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         SEEN.append({**body, "slo_class": self.headers.get("x-ferry-slo-class")})
         self.send_response(200)
+        self.send_header("x-request-id", f"cmpl-{len(SEEN)}")
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         n = int(body["max_tokens"])
@@ -41,6 +44,14 @@ class _Fake(BaseHTTPRequestHandler):
                 "d0": {"kind": "decode", "healthy": True, "rss_mib": 1000 + 10 * n},
                 "p0": {"kind": "prefill", "healthy": True}},
                 "scheduler": {"available": True, "num_preempted": 3 * n, "num_resumed": n}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        timeline = TIMELINES.get(self.path.removeprefix("/v1/requests/").removesuffix("/timeline"))
+        if timeline is not None:
+            body = json.dumps(timeline).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -203,3 +214,31 @@ def test_a_server_without_ferry_health_reports_no_memory(server: str, tmp_path, 
     assert health_figures("http://127.0.0.1:9") == ({}, None)  # nothing listening
     assert run_bench(_args(tmp_path, "--url", server, "--rate", "3")) == 0
     assert "worker memory" not in capsys.readouterr().out
+
+
+def test_stages_come_from_the_servers_timelines_by_request_id(server: str) -> None:
+    SEEN.clear()
+    TIMELINES.clear()
+    # cmpl-1 was handed off (its prefill computed 1,000 tokens in 2 s, from t=10 to t=12), cmpl-2
+    # was prefilled by its decode worker (no prefill stages); cmpl-3 has no timeline (a peer).
+    TIMELINES["cmpl-1"] = {"num_prompt_tokens": 1000, "ttft_ms": 2600.0, "tpot_ms": 50.0, "prefill": {
+        "queued_s": 0.4, "lookup_s": 0.01, "compute_s": 2.0, "transfer_s": 0.1, "computed_tokens": 1000,
+        "finished_at": 12.1}}
+    TIMELINES["cmpl-2"] = {"num_prompt_tokens": 200, "ttft_ms": 900.0, "tpot_ms": 70.0}
+    reqs = [BenchRequest(0.0, 5, 8), BenchRequest(0.0, 5, 8), BenchRequest(0.0, 5, 8)]
+    records, dur = asyncio.run(replay(ClientConfig(url=server, model="m", duration_s=1.0, grace_s=5.0), reqs))
+    assert sorted(r.request_id for r in records) == ["cmpl-1", "cmpl-2", "cmpl-3"]
+    timelines = fetch_timelines(server, records)
+    assert sorted(timelines) == ["cmpl-1", "cmpl-2"]
+    st = summarize_stages(records, timelines, duration_s=4.0)
+    assert st is not None and (st["num_requests"], st["num_handed_off"], st["mean_prompt_tokens"]) == (2, 1, 600)
+    assert st["queued_p50_ms"] == pytest.approx(400) and st["compute_p50_ms"] == pytest.approx(2000)
+    assert st["prefill_busy"] == pytest.approx(0.5) and st["prefill_tok_s_busy"] == pytest.approx(500)
+    assert st["engine_tpot_mean_ms"] == pytest.approx(60)
+    assert st["client_tpot_mean_ms"] is not None and st["tpot_path_ratio"] == pytest.approx(
+        st["client_tpot_mean_ms"] / 60)
+    assert summarize_stages(records, {}, 4.0) is None  # a server without timelines: no row
+
+
+def test_busy_time_is_the_union_of_overlapping_compute() -> None:
+    assert _union_s([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == pytest.approx(4.0)
