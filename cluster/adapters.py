@@ -62,4 +62,5 @@ def flight_state(flight: InFlight, slo_class: SloClass | None = None, block_hash
 
 
 def refusal_error(refusal: Refusal) -> PlacementRefused:
-    return PlacementRefused(refusal.reason.value, refusal.retry_after_s, refusal.reason.http_status, refusal.detail)
+    return PlacementRefused(refusal.reason.value, refusal.retry_after_s, refusal.reason.http_status, refusal.detail,
+                            refusal.predicted_wait_s)

@@ -44,12 +44,15 @@ class RefusalReason(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A request the cluster will not serve now. `retry_after_s=None`: retrying will not help."""
+    """A request the cluster will not serve now. `retry_after_s=None`: retrying will not help.
+    `predicted_wait_s`: an SLO refusal's predicted wait before the request would start (its
+    queue), which with the prediction in `detail` tells a client why waiting was not offered."""
 
     request_id: RequestId
     reason: RefusalReason
     retry_after_s: float | None
     detail: str = ""
+    predicted_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,15 +136,18 @@ class AdmissionController:
             if pred.ttft_s > f * ttft_target:
                 return Refusal(rid, RefusalReason.SLO_UNATTAINABLE,
                                self._clamp(pred.ttft_s - ttft_target),
-                               f"predicted TTFT {pred.ttft_s * 1e3:.0f} ms > target {slo.ttft_ms:.0f} ms")
+                               f"predicted TTFT {pred.ttft_s * 1e3:.0f} ms (after {pred.queue_wait_s * 1e3:.0f} ms "
+                               f"queued) > target {slo.ttft_ms:.0f} ms", pred.queue_wait_s)
             if pred.tpot_s > f * tpot_target:
                 return Refusal(rid, RefusalReason.SLO_UNATTAINABLE, self._clamp(pred.queue_wait_s),
-                               f"predicted TPOT {pred.tpot_s * 1e3:.1f} ms > target {slo.tpot_ms:.0f} ms")
+                               f"predicted TPOT {pred.tpot_s * 1e3:.1f} ms > target {slo.tpot_ms:.0f} ms",
+                               pred.queue_wait_s)
             return None
         deadline = slo.deadline_s
         if pred.completion_s > f * deadline:
             return Refusal(rid, RefusalReason.SLO_UNATTAINABLE, self._clamp(pred.completion_s - deadline),
-                           f"predicted completion {pred.completion_s:.1f} s > deadline {deadline:.1f} s")
+                           f"predicted completion {pred.completion_s:.1f} s > deadline {deadline:.1f} s",
+                           pred.queue_wait_s)
         return None
 
     def admit(self, tenant: Tenant, req: RequestDesc, now: float) -> None:

@@ -76,8 +76,10 @@ class ClusterBackend:
                 started, finished = True, out.finished
                 trace.on_output(out)
                 yield out
-        except (NoCapacity, NoWorkers) as e:
-            raise Refused(str(e), RETRY_AFTER_S) from e
+        except NoCapacity as e:
+            raise Refused("no_capacity", RETRY_AFTER_S, str(e)) from e
+        except NoWorkers as e:
+            raise Refused("no_workers", RETRY_AFTER_S, str(e)) from e
         except PlacementRefused as e:
             raise _refusal(e) from e
         finally:
@@ -131,7 +133,7 @@ def can_serve(loads: Iterable[WorkerLoad]) -> bool:
 def _refusal(e: PlacementRefused) -> Exception:
     """429s carry a Retry-After through `Refused`; the others are not a matter of waiting."""
     if e.status == 429 and e.retry_after_s is not None:
-        return Refused(e.reason, e.retry_after_s)
+        return Refused(e.reason, e.retry_after_s, e.detail, e.predicted_wait_s)
     headers = {} if e.retry_after_s is None else {"Retry-After": str(max(0, math.ceil(e.retry_after_s)))}
     return ApiError(e.status, f"Request refused: {e.reason}. {e.detail}".strip(),
                     type="server_error" if e.status >= 500 else "invalid_request_error", code=e.reason, headers=headers)

@@ -63,6 +63,13 @@ class ClientConfig:
         return (base if base.endswith("/v1") else base + "/v1") + "/completions"
 
 
+def _request_id(values: list[str]) -> str | None:
+    """The server's request id. Behind Ray Serve's proxy a ferry answer carries two: Serve's own
+    and the app's (`cmpl-...`), which its timelines are keyed by."""
+    ours = [v for v in values if v.startswith(("cmpl-", "chatcmpl-"))]
+    return (ours or values or [None])[0]
+
+
 async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest, index: int,
                rec: RequestRecord) -> None:
     body = {"model": cfg.model, "prompt": prompt_text(req, index, cfg.salt), "max_tokens": req.output_len,
@@ -75,7 +82,7 @@ async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest,
     # As vLLM: the clock starts once a client slot is free, so TTFT is the server's, not our cap's.
     rec.send_s = time.perf_counter()
     async with client.stream("POST", cfg.completions_url, json=body, headers=headers) as resp:
-        rec.request_id = resp.headers.get("x-request-id")
+        rec.request_id = _request_id(resp.headers.get_list("x-request-id"))
         if resp.status_code != 200:
             rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return

@@ -27,12 +27,18 @@ logger = logging.getLogger(__name__)
 
 class Refused(Exception):
     """The backend will not take the request now (admission control, tenant over budget, queue
-    full). The app answers 429 with `Retry-After: ceil(retry_after_s)`."""
+    full). The app answers 429 with `Retry-After: ceil(retry_after_s)`; the body names `reason` (a
+    code such as `slo_unattainable` or `no_capacity`), says why in `detail`, and carries the
+    predicted wait when the backend made one."""
 
-    def __init__(self, reason: str, retry_after_s: float) -> None:
-        super().__init__(f"{reason} (retry after {retry_after_s:g}s)")
+    def __init__(self, reason: str, retry_after_s: float, detail: str = "",
+                 predicted_wait_s: float | None = None) -> None:
+        super().__init__(f"{reason}: {detail} (retry after {retry_after_s:g}s)" if detail
+                         else f"{reason} (retry after {retry_after_s:g}s)")
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.detail = detail
+        self.predicted_wait_s = predicted_wait_s
 
 
 @runtime_checkable

@@ -49,7 +49,8 @@ class ErrorResponse(BaseModel):
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = INVALID, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -57,9 +58,11 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.extra = extra or {}  # fields beyond OpenAI's four (a refusal's retry_after_s, predicted_wait_s)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -120,8 +123,12 @@ def to_api_error(exc: BaseException, *, prompt_param: str, renames: dict[str, st
         return exc
     if isinstance(exc, Refused):
         retry = max(0, math.ceil(exc.retry_after_s))
-        return ApiError(429, f"Request refused: {exc.reason}. Retry after {retry} s.", type="rate_limit_error",
-                        code=exc.reason, headers={"Retry-After": str(retry)})
+        why = f": {exc.detail}" if exc.detail else ""
+        extra: dict[str, Any] = {"retry_after_s": round(exc.retry_after_s, 3)}
+        if exc.predicted_wait_s is not None:
+            extra["predicted_wait_s"] = round(exc.predicted_wait_s, 3)
+        return ApiError(429, f"Request refused: {exc.reason}{why}. Retry after {retry} s.", type="rate_limit_error",
+                        code=exc.reason, headers={"Retry-After": str(retry)}, extra=extra)
     if isinstance(exc, ContextLengthExceeded):
         return ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidSamplingParams):

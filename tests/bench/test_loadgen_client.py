@@ -25,6 +25,7 @@ class _Fake(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         SEEN.append({**body, "slo_class": self.headers.get("x-ferry-slo-class")})
         self.send_response(200)
+        self.send_header("x-request-id", "serve-proxy-id")  # Ray Serve's proxy adds its own id too
         self.send_header("x-request-id", f"cmpl-{len(SEEN)}")
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()

@@ -82,6 +82,9 @@ def test_predicted_slo_miss_is_refused_early_with_the_excess_as_retry_after() ->
     p2 = placed[2]
     assert isinstance(p2, Placement) and p2.predicted_ttft_s == pytest.approx(3 * 0.09875)
     assert refusal.retry_after_s == pytest.approx(4 * p2.predicted_ttft_s / 3 - 0.3, rel=1e-6)
+    # the three ahead of it are its predicted wait, and the prediction is in the detail
+    assert refusal.predicted_wait_s == pytest.approx(3 * 0.09875, rel=1e-6)
+    assert refusal.detail == "predicted TTFT 395 ms (after 296 ms queued) > target 300 ms"
 
 
 def test_batch_deadline_refusal_and_no_refusal_when_disabled() -> None:

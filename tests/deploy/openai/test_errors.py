@@ -12,6 +12,8 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
+from deploy.openai.backend import Refused
+from deploy.openai.errors import to_api_error
 from tests.deploy.openai.conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, SECRET, Served
 
 AUTH = {"Authorization": "Bearer key-a"}
@@ -177,10 +179,22 @@ def test_auth(http: httpx.Client, headers: dict[str, str], expected: dict[str, A
 def test_refusal_is_429_with_retry_after(http: httpx.Client, stream: bool) -> None:
     throttled = {"Authorization": "Bearer key-throttled"}
     r = http.post("/v1/chat/completions", json=with_(CHAT, stream=stream), headers=throttled)
-    assert_error(r, 429, err("Request refused: tenant_over_budget. Retry after 3 s.", None, "tenant_over_budget",
-                             "rate_limit_error"))
+    want = err("Request refused: tenant_over_budget. Retry after 3 s.", None, "tenant_over_budget", "rate_limit_error")
+    want["error"]["retry_after_s"] = 2.5
+    assert_error(r, 429, want)
     assert r.headers["retry-after"] == "3"
     assert_still_serves(http)
+
+
+def test_a_refusal_says_why_and_the_predicted_wait() -> None:
+    api = to_api_error(Refused("slo_unattainable", 1.2, "predicted TTFT 4200 ms (after 3000 ms queued) > target "
+                                                        "3000 ms", predicted_wait_s=3.0), prompt_param="prompt")
+    assert api is not None and api.status == 429 and api.headers == {"Retry-After": "2"}
+    assert api.body() == {"error": {
+        "message": "Request refused: slo_unattainable: predicted TTFT 4200 ms (after 3000 ms queued) > target 3000 ms. "
+                   "Retry after 2 s.",
+        "type": "rate_limit_error", "param": None, "code": "slo_unattainable", "retry_after_s": 1.2,
+        "predicted_wait_s": 3.0}}
 
 
 def test_internal_error_is_500_without_details(http: httpx.Client) -> None:
