@@ -145,3 +145,49 @@ def test_tokens_whose_text_is_held_back_never_ride_behind_text():
         for d in deltas:
             if d.new_text and not d.finished:
                 assert d.text == outputs[d.new_token_ids[-1] - 1].text and d.new_token_ids[-1] in (1, 2, 5)
+
+
+def test_decode_steps_are_paced_to_a_fraction_of_the_tightest_tpot_target(tiny_llama_dir):
+    """`decode_pace` 0.5 and a 0.2 s TPOT target: decode-only steps start >= 0.1 s apart (a lower
+    bound, which a busy machine only makes longer); the same tokens as unpaced, and a request
+    without a target is not paced."""
+    engine = AsyncEngine(Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64, decode_pace=0.5)))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    async def run(rid: str, tpot: float | None) -> tuple[list[int], list[float]]:
+        ids, times = [], []
+        async for out in engine.generate(rid, [5, 17, 29], params, tpot_target_s=tpot):
+            ids += out.new_token_ids
+            times += [out.time] * len(out.new_token_ids)
+        return ids, times
+
+    try:
+        paced_ids, paced = asyncio.run(run("paced", 0.2))
+        free_ids, _ = asyncio.run(run("free", None))
+    finally:
+        engine.shutdown()
+    gaps = [b - a for a, b in zip(paced, paced[1:])]
+    assert paced_ids == free_ids and len(gaps) == 5
+    assert min(gaps[1:]) >= 0.1 - 1e-3  # the first token's step was a prefill: only decode steps pace
+
+
+def test_pace_only_for_decode_only_steps_and_new_work_is_seen(tiny_llama_dir):
+    engine = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64, decode_pace=0.5))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params, tpot_target_s=0.2)
+    engine.add_request("b", [8, 9, 10], params, tpot_target_s=0.08)
+    engine.add_request("c", [8, 9, 11], params)  # no target: does not pace, does not loosen the others
+    prefill = engine.prepare_step()
+    assert prefill is not None and engine.pace_s(prefill) == 0.0  # prompts in the step: never paced
+    engine.finish_step(prefill, engine.runner.execute(prefill.chunks))
+    decode = engine.prepare_step()
+    assert decode is not None and engine.pace_s(decode) == pytest.approx(0.04)  # 0.5 x the tightest
+    assert not engine.has_new_work(decode)
+    engine.add_request("d", [1, 2, 3], params)
+    assert engine.has_new_work(decode)
+    engine.finish_step(decode, engine.runner.execute(decode.chunks))
+    off = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64))
+    off.add_request("a", [5, 6, 7], params, tpot_target_s=0.2)
+    off.step()
+    step = off.prepare_step()
+    assert step is not None and off.pace_s(step) == 0.0  # pacing off by default
