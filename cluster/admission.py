@@ -130,6 +130,8 @@ class AdmissionController:
         rid = req.request_id
         if req.slo_class is not None and req.slo_class is not slo.slo_class:
             return None  # a per-request class override has no targets of its own to check
+        if not tenant.cfg.shed_predicted_misses:
+            return None  # its contract says wait: served late rather than refused
         if isinstance(slo, InteractiveSlo):
             ttft_target = slo.ttft_ms / 1e3
             tpot_target = slo.tpot_ms / 1e3

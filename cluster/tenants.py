@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.descriptors import SloClass, TenantId
 
@@ -60,6 +60,8 @@ class TenantConfig:
 
     `burst_tokens` defaults to ten seconds of `max_tokens_per_s`. `queue_timeout_s` bounds how long
     a request may wait before its prefill starts; past it the request is cancelled and refused.
+    `shed_predicted_misses`: a request predicted to miss its SLO is refused at admission (False:
+    admitted anyway and served late, in slack order; only the queue timeout refuses it).
     """
 
     tenant_id: TenantId
@@ -69,6 +71,7 @@ class TenantConfig:
     burst_tokens: float | None = None
     max_concurrency: int | None = None
     queue_timeout_s: float = 30.0
+    shed_predicted_misses: bool = True
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
@@ -167,11 +170,7 @@ class TenantRegistry:
     def get(self, tenant_id: TenantId, now: float | None = None) -> Tenant | None:
         tenant = self._tenants.get(tenant_id)
         if tenant is None and self._default is not None:
-            cfg = TenantConfig(
-                tenant_id=tenant_id, weight=self._default.weight, slo=self._default.slo,
-                max_tokens_per_s=self._default.max_tokens_per_s, burst_tokens=self._default.burst_tokens,
-                max_concurrency=self._default.max_concurrency, queue_timeout_s=self._default.queue_timeout_s,
-            )
+            cfg = replace(self._default, tenant_id=tenant_id)  # the default contract, every field of it
             tenant = self._tenants[tenant_id] = Tenant(cfg, self._now if now is None else now)
         return tenant
 

@@ -36,13 +36,17 @@ class TenantSection(_Section):
     burst_tokens: float | None = Field(None, gt=0)
     max_concurrency: int | None = Field(None, ge=1)
     queue_timeout_s: float = Field(30.0, gt=0)
+    on_predicted_miss: Literal["shed", "queue"] = Field(
+        "shed", description="a request predicted to miss its SLO (by slo_refuse_factor): shed, refused at once "
+                            "with 429 slo_unattainable, its predicted wait and a Retry-After; queue, admitted "
+                            "and served late, ordered by slack (queue_timeout_s still bounds its wait)")
 
     def to_tenant_config(self, name: str) -> TenantConfig:
         slo = (InteractiveSlo(self.ttft_ms, self.tpot_ms) if self.slo_class == "interactive"
                else BatchSlo(self.deadline_s))
         return TenantConfig(TenantId(name), weight=self.weight, slo=slo, max_tokens_per_s=self.max_tokens_per_s,
                             burst_tokens=self.burst_tokens, max_concurrency=self.max_concurrency,
-                            queue_timeout_s=self.queue_timeout_s)
+                            queue_timeout_s=self.queue_timeout_s, shed_predicted_misses=self.on_predicted_miss == "shed")
 
 
 class SchedulerSection(_Section):

@@ -28,6 +28,7 @@ from bench.loadgen.metrics import Slo, summarize
 from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, health_figures, launched, served_model
 from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, stage_table, table, tenant_table,
                                   write_json, write_results_md)
+from bench.loadgen.probe import PROBE_PROMPT, probe
 from bench.loadgen.stages import fetch_timelines, summarize_stages
 from bench.loadgen.workload import (BenchRequest, assign_tenants, load_trace, rescale_rate, resolve_trace,
                                     scale_lengths)
@@ -166,6 +167,17 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
               file=sys.stderr, flush=True)
 
 
+def _probed(res: SystemResult, url: str, model: str) -> bool:
+    """Asks the greedy probe (bench/loadgen/probe.py) and keeps the answer; False (the system is
+    skipped, with the answer as the reason) when it is not sensible."""
+    res.probe = probe(url, model)
+    print(f"  {res.name} probe: {PROBE_PROMPT!r} -> {res.probe.text!r}", file=sys.stderr, flush=True)
+    if not res.probe.sensible:
+        res.skipped = f"greedy probe not sensible ({res.probe.why}): {res.probe.text[:200]!r}"
+        print(f"[bench] {res.name}: SKIPPED: {res.skipped}", file=sys.stderr, flush=True)
+    return res.probe.sensible
+
+
 def _prefill_bound(a: argparse.Namespace, rate: float) -> PrefillBound | None:
     if not a.prefill_bound:
         return None
@@ -202,8 +214,9 @@ def run_bench(a: argparse.Namespace) -> int:
             print(f"[bench] {a.url}: GET /v1/models did not answer with a model; pass --model", file=sys.stderr)
             return 1
         res = SystemResult(a.url)
-        _run_rates(a, a.url, model, rates, slos, res)
         results.append(res)
+        if _probed(res, a.url, model):
+            _run_rates(a, a.url, model, rates, slos, res)
     else:
         spec = PeerSpec(gguf=a.gguf, parallel=a.parallel, ctx_per_slot=a.max_model_len, ferry_src=a.ferry_src,
                         ferry_dtype=a.ferry_dtype, ferry_stream_interval=a.ferry_stream_interval,
@@ -216,7 +229,8 @@ def run_bench(a: argparse.Namespace) -> int:
             print(f"[bench] {name}: starting", file=sys.stderr, flush=True)
             try:
                 with launched(name, spec, out / "logs") as (url, model):
-                    _run_rates(a, url, a.model or model, rates, slos, res)
+                    if _probed(res, url, a.model or model):
+                        _run_rates(a, url, a.model or model, rates, slos, res)
             except PeerUnavailable as e:
                 res.skipped = str(e)[:400]
                 print(f"[bench] {name}: SKIPPED: {res.skipped}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.common import format_table
 from bench.loadgen.metrics import RequestRecord, Summary
+from bench.loadgen.probe import PROBE_PROMPT, ProbeAnswer
 from bench.loadgen.stages import STAGE_COLUMNS, stage_row
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SystemResult:
     name: str
     points: list[RatePoint] = field(default_factory=list)
     skipped: str = ""  # why the system did not run
+    probe: ProbeAnswer | None = None  # its answer to the greedy probe, asked before measuring
 
     def knee(self, target: float) -> RatePoint | None:
         """Highest rate meeting the attainment target; else the best goodput seen."""
@@ -133,7 +135,8 @@ def tenant_table(results: list[SystemResult]) -> str | None:
 
 
 def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) -> None:
-    out = {"meta": meta, "systems": [{"name": r.name, "skipped": r.skipped, "points": [
+    out = {"meta": meta, "systems": [{"name": r.name, "skipped": r.skipped,
+                                      "probe": r.probe.to_dict() if r.probe else None, "points": [
         {"rate_rps": p.rate_rps, **p.summary.to_dict(),
          "memory_mib": {w: {"before": b, "after": a} for w, (b, a) in p.memory_mib.items()},
          "preemptions": None if p.preemptions is None else dict(zip(("preempted", "resumed"), p.preemptions)),
@@ -208,6 +211,11 @@ def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: 
     if memory:
         lines += ["## Worker memory", "", "Resident MiB of each worker before and after each rate (from `/health`).",
                   "", "```", memory, "```", ""]
+    probes = [f"- {r.name}: {r.probe.text!r}" + ("" if r.probe.sensible else f" (not sensible: {r.probe.why})")
+              for r in results if r.probe]
+    if probes:
+        lines += ["## Greedy probe", "", f"Each system's answer to {PROBE_PROMPT!r} (greedy, at most 12 tokens), asked "
+                  "before it was measured; a system whose answer has no words is not measured.", "", *probes, ""]
     if skipped:
         lines += ["## Systems not measured", "", *skipped, ""]
     if notes:

@@ -12,18 +12,27 @@ import pytest
 
 from bench.loadgen.client import ClientConfig, replay
 from bench.loadgen.metrics import Slo, summarize
+from bench.loadgen.probe import PROBE_PROMPT, ProbeAnswer, judge, probe
 from bench.loadgen.stages import _union_s, fetch_timelines, summarize_stages
 from bench.loadgen.workload import BenchRequest
 
 SEEN: list[dict[str, object]] = []
 HEALTH = {"calls": 0, "on": False}
-TIMELINES: dict[str, dict[str, object]] = {}  # request id -> what GET /v1/requests/{id}/timeline answers  # /health answers like a ferry cluster only when "on"
+TIMELINES: dict[str, dict[str, object]] = {}
+PROBE_ANSWER = {"text": " Paris. It is the largest city"}  # request id -> what GET /v1/requests/{id}/timeline answers  # /health answers like a ferry cluster only when "on"
 
 
 class _Fake(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         SEEN.append({**body, "slo_class": self.headers.get("x-ferry-slo-class")})
+        if not body.get("stream"):  # the greedy probe
+            answer = json.dumps({"choices": [{"text": PROBE_ANSWER["text"]}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return
         self.send_response(200)
         self.send_header("x-request-id", "serve-proxy-id")  # Ray Serve's proxy adds its own id too
         self.send_header("x-request-id", f"cmpl-{len(SEEN)}")
@@ -243,3 +252,28 @@ def test_stages_come_from_the_servers_timelines_by_request_id(server: str) -> No
 
 def test_busy_time_is_the_union_of_overlapping_compute() -> None:
     assert _union_s([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == pytest.approx(4.0)
+
+
+def test_the_greedy_probe_keeps_the_answer_and_judges_it(server: str) -> None:
+    SEEN.clear()
+    got = probe(server, "m")
+    assert got == ProbeAnswer(" Paris. It is the largest city", True)
+    assert SEEN[-1]["temperature"] == 0.0 and SEEN[-1]["prompt"] == PROBE_PROMPT and not SEEN[-1].get("stream")
+    PROBE_ANSWER["text"] = "\u00ff\u00fe 12 12 ###"
+    try:
+        bad = probe(server, "m")
+    finally:
+        PROBE_ANSWER["text"] = " Paris. It is the largest city"
+    assert not bad.sensible and bad.why == "1 words in the answer"  # "ÿþ" is letters
+    assert not probe("http://127.0.0.1:9", "m", timeout_s=2.0).sensible  # nothing listens: no answer
+
+
+@pytest.mark.parametrize(("text", "sensible"), [
+    (" Paris.", False),  # one word
+    (" Paris, and it is", True),
+    (" Lyon Lyon Lyon Lyon", True),  # words, even if wrong: the probe is about garbage, not facts
+    ("ab !!!!!!!!!!!!!!!!!!!! cd", False),  # mostly symbols
+    (" 巴黎 是 首都", True),  # words of any script
+])
+def test_probe_judgement(text: str, sensible: bool) -> None:
+    assert judge(text).sensible is sensible

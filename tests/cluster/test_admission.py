@@ -110,3 +110,11 @@ def test_queue_timeout_expires_requests_that_never_started() -> None:
     assert sched.stats().num_in_flight == 1 and sched.stats().num_expired == 1
     assert sched.timeline(R("a"))["stamps"]["refused"] == pytest.approx(5.01)  # type: ignore[index]
     sched.check_integrity()
+
+
+def test_a_tenant_whose_contract_says_queue_is_never_refused_for_a_predicted_miss() -> None:
+    tenant = TenantConfig(T("default"), slo=InteractiveSlo(ttft_ms=300, tpot_ms=50), shed_predicted_misses=False)
+    sched, _ = make(SchedulerConfig(default_tenant=tenant), prefill=1)
+    placed = [sched.submit(desc(f"r{i}", prompt=2500)) for i in range(10)]
+    assert all(isinstance(p, Placement) for p in placed)  # the shedding tenant above refuses from the 4th
+    assert placed[-1].predicted_ttft_s > 0.3  # admitted knowing it will be late
