@@ -69,8 +69,7 @@ class DecodeWorker(ReportsTelemetry):
         engine: Engine = self.engine.engine
         block_ids = self.engine.locked(
             engine.reserve, req.request_id, prompt, [], req.params, seed=req.seed, num_kv_tokens=len(prompt) - 1,
-            extra_keys=req.cache_salt, num_shared_prefix_tokens=req.num_shared_prefix_tokens,
-            tpot_target_s=req.tpot_target_s)
+            extra_keys=req.cache_salt, num_shared_prefix_tokens=req.num_shared_prefix_tokens)
         if block_ids is None:
             return False
         # The stream exists before the KV can land, so no output of the commit is missed.

@@ -62,9 +62,6 @@ class GenerationRequest:
     # 0 interactive, 1 batch: engines admit waiting requests of a smaller rank first. Set from the
     # placement's priority (the scheduler knows the request's SLO class).
     priority_rank: int = 0
-    # Its TPOT target, from the placement (None: none): a decode engine paces decode-only steps to
-    # a fraction of the tightest one among its rows (`EngineConfig.decode_pace`).
-    tpot_target_s: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object
@@ -100,7 +97,6 @@ class GenerationRequest:
             "output_token_ids": self.output_token_ids,
             "max_chunk_tokens": self.max_chunk_tokens,
             "priority_rank": self.priority_rank,
-            "tpot_target_s": self.tpot_target_s,
         }
 
 

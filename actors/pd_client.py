@@ -227,8 +227,6 @@ class PDClient:
         if choice.priority is not None and choice.priority[0] != req.priority_rank:
             req = replace(req, priority_rank=choice.priority[0])  # engines queue batch work behind
         flight.priority_rank = req.priority_rank
-        if choice.tpot_s != req.tpot_target_s:
-            req = replace(req, tpot_target_s=choice.tpot_s)  # paces the decode engine's steps
         handoff = choice.prefill is not None and req.needs_handoff
         if handoff:
             flight.mark_issued()  # the announce below is this attempt's first call to a worker

@@ -58,7 +58,6 @@ class PlacementChoice:
     # (SLO class rank, key): its place in the queue for a decode row, smaller first; the
     # scheduler's (rank, urgency), or None: interactive, by arrival time.
     priority: tuple[int, float] | None = None
-    tpot_s: float | None = None  # the request's TPOT target (the scheduler's), which paces decode steps
 
 
 class Placement(Protocol):

@@ -133,7 +133,7 @@ class SchedulerPlacement:
                 if out.preempt:
                     self._preempt(out.preempt)
                 return self._choice(req, out.prefill_worker, out.decode_worker, prefills, decodes,
-                                    out.local_chunk_tokens, (out.priority.class_rank, out.priority.key_s), out.tpot_s)
+                                    out.local_chunk_tokens, (out.priority.class_rank, out.priority.key_s))
         self.stats.num_fallback += 1
         local = self.local.place(req, prefills, decodes)
         rank = 1 if self._classes.get(req.request_id) is SloClass.BATCH else 0
@@ -141,7 +141,7 @@ class SchedulerPlacement:
 
     def _choice(self, req: GenerationRequest, prefill: str | None, decode: str, prefills: Sequence[WorkerLoad],
                 decodes: Sequence[WorkerLoad], chunk_tokens: int | None = None,
-                priority: tuple[int, float] | None = None, tpot_s: float | None = None) -> PlacementChoice:
+                priority: tuple[int, float] | None = None) -> PlacementChoice:
         """The scheduler's choice first, then the rest by load; workers this ingress has seen
         dead are skipped even if the scheduler has not heard yet. A prefill placed on the decode
         worker itself (`Placement.local`) means no handoff: the decode worker runs it whole, in
@@ -153,7 +153,7 @@ class SchedulerPlacement:
         if local.prefill is not None and not (prefill == decode and first):
             chosen_prefill = prefill if prefill in healthy else local.prefill
         return PlacementChoice(chosen_prefill, first + tuple(d for d in local.decodes if d != decode),
-                               chunk_tokens if chosen_prefill is None and first else None, priority, tpot_s)
+                               chunk_tokens if chosen_prefill is None and first else None, priority)
 
     async def recover(self, dead: frozenset[str], flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
                       decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:

@@ -62,16 +62,9 @@ class EngineSection(_Section):
         "shared", description="CPU engines: shared, every engine runs on all the node's cores and sleeps "
                               "when idle (OMP_WAIT_POLICY=PASSIVE), so a busy prefill gets the cores an idle "
                               "decode leaves; split, each engine keeps an equal part of the cores")
-    decode_pace: float | None = Field(
-        None, ge=0, lt=1, description="a decode-only step lasts at least this fraction of its rows' tightest TPOT "
-                                      "target, leaving the rest of the cores to a prefill; default 0.6 for CPU "
-                                      "workers sharing cores, 0 (off) otherwise")
     torch_threads: int | None = Field(
         None, gt=0, description="threads each worker's kernels use; default: all of this node's CPUs "
                                 "(cpu_cores shared), or an equal split of them among the app's engines (split)")
-
-
-DEFAULT_CPU_DECODE_PACE = 0.6
 
 
 class TransferSection(_Section):
@@ -134,14 +127,6 @@ class AppConfig(_Section):
                                      num_gpus_per_worker=self.engine.num_gpus_per_worker,
                                      share_cores=self.engine.cpu_cores == "shared")
 
-    def decode_pace(self, on_gpu: bool) -> float:
-        """`engine.decode_pace`, or by default 0.6 where engines share a node's CPU cores (the
-        decode worker's spare step time then goes to the prefill worker beside it) and 0 elsewhere
-        (a GPU worker's compute is its own)."""
-        if self.engine.decode_pace is not None:
-            return self.engine.decode_pace
-        return DEFAULT_CPU_DECODE_PACE if not on_gpu and self.engine.cpu_cores == "shared" else 0.0
-
     def to_engine_config(self, resources: WorkerResources | None = None) -> EngineConfig:
         """The engine of each worker. With `resources` (`worker_resources`) its device is the one Ray
         grants and a planned KV pool takes the worker's part of it: on a GPU the fraction it holds,
@@ -157,7 +142,7 @@ class AppConfig(_Section):
             enforce_eager=e.enforce_eager, max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
             kv_cache_dtype=e.kv_cache_dtype, enable_prefix_caching=e.enable_prefix_caching,
-            prepack_weights=e.prepack_weights, decode_pace=self.decode_pace(on_gpu),
+            prepack_weights=e.prepack_weights,
         )
         return engine if resources is None else resources.place(engine)
 

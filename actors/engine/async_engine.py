@@ -14,11 +14,10 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from actors.engine.engine import Engine, PreparedStep
+from actors.engine.engine import Engine
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 
@@ -182,7 +181,6 @@ class AsyncEngine:
                     logits = self.engine.runner.execute(prepared.chunks)
                     with self._lock:
                         outputs = self.engine.finish_step(prepared, logits)
-                        pace_until = prepared.started_s + self.engine.pace_s(prepared)
             except BaseException as e:  # noqa: BLE001 - fail every stream, not silently
                 logger.exception("engine step failed")
                 with self._lock:
@@ -209,20 +207,6 @@ class AsyncEngine:
             if not busy:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
-            else:
-                self._pace(prepared, pace_until)
-
-
-    def _pace(self, prepared: PreparedStep, until: float) -> None:
-        """After a paced decode step: its rows can wait until `until` (perf_counter), and the cores
-        are a prefill's meanwhile. New work (a prompt, a request whose KV landed) ends the wait at
-        once; other engine calls (stats, telemetry) only wake it to look."""
-        while not self._stopped and (rest := until - time.perf_counter()) > 0:
-            self._wakeup.wait(timeout=rest)
-            self._wakeup.clear()
-            with self._lock:
-                if self.engine.has_new_work(prepared):
-                    return
 
 
 def _deliver(batch: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:

@@ -161,18 +161,12 @@ class EngineConfig:
     dtype: str = "float32"  # float32, bfloat16, float16, or auto (see `auto_dtype`; resolved by the engine)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (per-token-head scales)
     enable_prefix_caching: bool = True
-    # Decode pacing: a step that only decodes lasts at least this fraction of the tightest TPOT target
-    # among its rows (rows without one do not pace; 0: off). Engines that share their cores (CPU
-    # workers of one node) then leave what the decode rows do not need to a prefill beside them.
-    decode_pace: float = 0.0
     # CPU only: keep a oneDNN-prepacked copy of each projection weight (kernels/linear.py); ~1.6x
     # faster GEMMs at decode batch sizes for one more copy of the weights in memory.
     prepack_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.decode_pace < 1:
-            raise ValueError(f"decode_pace must be in [0, 1), got {self.decode_pace}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

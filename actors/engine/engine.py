@@ -116,7 +116,6 @@ class Engine:
         prefill_only: bool = False,
         max_chunk_tokens: int | None = None,
         priority_rank: int = 0,
-        tpot_target_s: float | None = None,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
         or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
@@ -129,8 +128,7 @@ class Engine:
         `max_chunk_tokens`: in steps that also decode other requests, compute at most this many of
         its prompt tokens, however much of the step budget is left, and no more than that with the
         other capped prompts of the step together (a decode worker prefilling prompts between its
-        rows' decode steps). `priority_rank` (0 interactive, 1 batch): smaller ranks wait less.
-        `tpot_target_s`: its TPOT promise, which paces decode-only steps (`EngineConfig.decode_pace`)."""
+        rows' decode steps). `priority_rank` (0 interactive, 1 batch): smaller ranks wait less."""
         if max_chunk_tokens is not None and max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,
@@ -141,7 +139,6 @@ class Engine:
         req.prefill_only = prefill_only
         req.max_chunk_tokens = max_chunk_tokens
         req.priority_rank = priority_rank
-        req.tpot_target_s = tpot_target_s
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)
@@ -191,7 +188,6 @@ class Engine:
         num_kv_tokens: int,
         extra_keys: tuple[object, ...] = (),
         num_shared_prefix_tokens: int = 0,
-        tpot_target_s: float | None = None,
     ) -> list[int] | None:
         """Decode side of disaggregation, step 1: validates the request and allocates blocks for
         the `num_kv_tokens` tokens whose KV another engine computed. Returns the block ids to write
@@ -204,7 +200,6 @@ class Engine:
         if not self.kv.allocate_slots(req, num_kv_tokens):
             return None
         req.num_computed_tokens = num_kv_tokens
-        req.tpot_target_s = tpot_target_s
         self._reserved[request_id] = req
         return self.kv.block_ids(request_id)
 
@@ -367,20 +362,6 @@ class Engine:
         self._step_records.append(
             StepRecord(prefill_tokens, prefill_pairs, decode_rows, decode_context, self._last_step_s))
         return outputs
-
-    def pace_s(self, prepared: PreparedStep) -> float:
-        """How long the step `prepared` should last at least, start to next start: 0 unless it only
-        decoded and pacing is on (`EngineConfig.decode_pace`), else that fraction of the tightest
-        TPOT target among its rows."""
-        if self.cfg.decode_pace <= 0 or any(n != 1 for n in prepared.batch.num_new_tokens):
-            return 0.0
-        targets = [r.tpot_target_s for r in prepared.batch.requests if r.tpot_target_s is not None]
-        return self.cfg.decode_pace * min(targets) if targets else 0.0
-
-    def has_new_work(self, prepared: PreparedStep) -> bool:
-        """Whether something arrived since `prepared` was scheduled: a waiting prompt, or a running
-        request that was not in its batch (KV handed over and committed)."""
-        return bool(self.scheduler.waiting) or len(self.scheduler.running) > len(prepared.batch.requests)
 
     def take_step_records(self) -> list[StepRecord]:
         """The steps since the last call (the newest `STEP_RECORDS_KEPT` at most), oldest first."""

@@ -55,7 +55,6 @@ class Request:
     max_chunk_tokens: int | None = None
     # 0 interactive, 1 batch: waiting requests of a smaller rank are admitted first.
     priority_rank: int = 0
-    tpot_target_s: float | None = None  # the request's TPOT promise, for decode pacing (None: none)
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)

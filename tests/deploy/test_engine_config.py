@@ -95,20 +95,3 @@ def test_the_default_app_serves_a_prompt_of_the_whole_context(long_context_model
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].finished and len(outs[-1].token_ids) == 1
-
-
-@pytest.mark.parametrize(("args", "cluster_gpus", "want"), [
-    ({}, 0.0, 0.6),  # CPU workers sharing the cores: decode leaves its spare step time to prefill
-    ({"engine": {"cpu_cores": "split"}}, 0.0, 0.0),  # cores of its own: nothing to leave
-    ({}, 1.0, 0.0),  # a GPU's compute is the worker's own
-    ({"engine": {"decode_pace": 0.4}}, 0.0, 0.4),
-    ({"engine": {"decode_pace": 0}}, 0.0, 0.0),
-])
-def test_decode_pace_defaults_on_only_where_cores_are_shared(args: dict, cluster_gpus: float, want: float) -> None:
-    cfg = load_config(args)
-    assert cfg.to_worker_config(cfg.worker_resources(cluster_gpus)).engine.decode_pace == want
-
-
-def test_decode_pace_below_one() -> None:
-    with pytest.raises(ConfigError, match=r"engine\.decode_pace"):
-        load_config({"engine": {"decode_pace": 1.0}})
