@@ -19,7 +19,9 @@ fetch_sdist() {  # fetch_sdist NAME VERSION FILE: the sdist through pip (its con
   local name=$1 version=$2 file=$3
   [ -f "$PEERS/src/$file" ] && return 0
   echo "build_peers: downloading $name==$version (sdist) with pip"
-  "$PYTHON" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+  # --no-binary for this package only: with :all: pip also builds the sdist's build requirements
+  # from source to read its metadata (CMake itself, 20+ minutes on 2 cores).
+  "$PYTHON" -m pip download --disable-pip-version-check -q --no-deps --no-binary "$name" \
     -d "$PEERS/src" "$name==$version" || { echo "build_peers: pip could not fetch $name==$version" >&2; return 1; }
   [ -f "$PEERS/src/$file" ] || { echo "build_peers: pip fetched no $file" >&2; return 1; }
 }
