@@ -163,7 +163,8 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         result.points.append(RatePoint.of(rate, s, records, {
             w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}, preemptions, stages))
         print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
-              f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms",
+              f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms; "
+              f"answered but over TTFT {s.missed['ttft']}, over TPOT {s.missed['tpot']}",
               file=sys.stderr, flush=True)
 
 

@@ -106,6 +106,8 @@ class Summary:
     itl_ms: dict[str, float]
     e2el_ms: dict[str, float]
     tenants: dict[str, dict[str, float]]  # tenant -> {sent, ok, good, attainment, ttft_p99_ms, tpot_p99_ms}
+    # completed requests over each promise (one request may miss both): which SLO the misses come from
+    missed: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -127,6 +129,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, S
         t["ttft_p99_ms"] = _stats_ms([r.ttft_s for r in mine])["p99"]
         t["tpot_p99_ms"] = _stats_ms([r.tpot_s for r in mine if r.num_output > 1])["p99"]
     dur = max(duration_s, 1e-9)
+    missed = {"ttft": 0, "tpot": 0, "e2el": 0}
+    for r in ok:
+        slo = slos.get(r.slo_class, Slo())
+        for name, limit, value in (("ttft", slo.ttft_ms, r.ttft_s), ("tpot", slo.tpot_ms, r.tpot_s),
+                                   ("e2el", slo.e2el_ms, r.e2el_s)):
+            if limit is not None and value * 1000.0 > limit:
+                missed[name] += 1
     return Summary(
         num_sent=len(records), completed=len(ok), failed=len(records) - len(ok), duration_s=duration_s,
         request_throughput=len(ok) / dur, output_throughput=sum(r.num_output for r in ok) / dur,
@@ -134,5 +143,5 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, S
         ttft_ms=_stats_ms([r.ttft_s for r in ok]),
         tpot_ms=_stats_ms([r.tpot_s for r in ok if r.num_output > 1]),
         itl_ms=_stats_ms([g for r in ok for g in r.itl_s]),
-        e2el_ms=_stats_ms([r.e2el_s for r in ok]), tenants=tenants,
+        e2el_ms=_stats_ms([r.e2el_s for r in ok]), tenants=tenants, missed=missed,
     )

@@ -61,8 +61,9 @@ def test_throughput_goodput_and_tenant_attainment() -> None:
         _rec(0.0, [0.9, 1.0], n=2, tenant="a"),  # TTFT miss
         _rec(0.0, [0.1, 0.15], n=2, tenant="b"),  # good
         _rec(0.0, [], tenant="b", ok=False),  # failed
+        _rec(0.0, [0.6, 0.9], n=2, tenant="b"),  # TTFT and TPOT miss
     ]
-    s = summarize(recs, duration_s=4.0, slos={"default": Slo(ttft_ms=500, tpot_ms=200)})
+    s = summarize(recs[:4], duration_s=4.0, slos={"default": Slo(ttft_ms=500, tpot_ms=200)})
     assert (s.num_sent, s.completed, s.failed) == (4, 3, 1)
     assert s.request_throughput == pytest.approx(3 / 4)
     assert s.output_throughput == pytest.approx(6 / 4)
@@ -73,6 +74,9 @@ def test_throughput_goodput_and_tenant_attainment() -> None:
     assert {k: b[k] for k in ("sent", "ok", "good", "attainment")} == {"sent": 2, "ok": 1, "good": 1, "attainment": 0.5}
     assert a["ttft_p99_ms"] == pytest.approx(100 + 0.99 * 800)  # each tenant's own latencies: 100 and 900 ms
     assert b["ttft_p99_ms"] == pytest.approx(100) and b["tpot_p99_ms"] == pytest.approx(50)
+    assert s.missed == {"ttft": 1, "tpot": 0, "e2el": 0}
+    both = summarize(recs, duration_s=4.0, slos={"default": Slo(ttft_ms=500, tpot_ms=200)})
+    assert both.missed == {"ttft": 2, "tpot": 1, "e2el": 0}  # which promise the misses break
 
 
 def test_per_class_slos() -> None:
