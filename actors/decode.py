@@ -28,8 +28,11 @@ from actors.engine.async_engine import AsyncEngine
 from actors.engine.engine import Engine
 from actors.engine.output import RequestOutput
 from actors.errors import RequestAborted, UnknownRequest
+from actors.handoff import num_reusable_blocks, prompt_block_hashes
 from actors.kv_receiver import KVReceiver, ReceiverStats
 from actors.messages import GenerationRequest, TokenEvent, WorkerLoad
+from actors.pool_link import PoolLink, PoolLinkStats, import_prefix
+from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout
@@ -42,7 +45,7 @@ _Queue = asyncio.Queue[RequestOutput | BaseException]
 
 class DecodeWorker(ReportsTelemetry):
     def __init__(self, cfg: WorkerConfig, async_engine: AsyncEngine, transport: KVTransport, layout: KVLayout,
-                 name: str | None = None) -> None:
+                 name: str | None = None, prefix_pool: PrefixCachePool | None = None) -> None:
         self.cfg = cfg
         self.engine = async_engine
         self.transport = transport
@@ -50,6 +53,8 @@ class DecodeWorker(ReportsTelemetry):
         self.name = name or transport.name
         self.receiver = KVReceiver(async_engine, transport, layout, cfg.recv_poll_s)
         self._local = ColocatedWorker(async_engine, self.name)
+        # A prompt it prefills itself (`generate`) first imports what the prefix-cache pool holds.
+        self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression) if prefix_pool else None
         # Streams opened by announce and not yet attached by generate_after_kv, with the time by
         # which a caller must attach (a caller that vanished must not leave its queue behind).
         self._streams: dict[str, tuple[_Queue, float]] = {}
@@ -96,9 +101,19 @@ class DecodeWorker(ReportsTelemetry):
                     None, self.receiver.cancel, request_id, RequestAborted(f"{request_id}: stream closed"))
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Runs a request with nothing to hand over entirely here (1-token prompt, resume)."""
+        """Runs a request entirely here: one with nothing to hand over (1-token prompt, resume), or
+        one the scheduler has this worker prefill itself, whose prompt first takes the blocks the
+        prefix-cache pool holds beyond this engine's own (`import_prefix`)."""
+        if self.pool is not None and not req.output_token_ids and req.num_prompt_tokens >= 2:
+            hashes = prompt_block_hashes(req, self.layout.block_size)
+            reusable = hashes[: num_reusable_blocks(req.num_prompt_tokens, self.layout.block_size)]
+            await asyncio.to_thread(import_prefix, self.engine, self.pool, reusable)
         async for event in self._local.generate(req):
             yield event
+
+    def pool_stats(self) -> PoolLinkStats | None:
+        """Blocks fetched from the pool for prompts prefilled here (None without a pool)."""
+        return None if self.pool is None else self.pool.stats()
 
     async def abort(self, request_id: str) -> bool:
         """Drops the request wherever it is: pending KV (blocks freed), running, or finished."""
@@ -134,6 +149,8 @@ class DecodeWorker(ReportsTelemetry):
         return self.transport.metadata()
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         self.receiver.close()
         self.transport.close()
         self.engine.shutdown()

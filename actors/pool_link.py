@@ -1,4 +1,4 @@
-"""A prefill worker's two uses of the prefix-cache pool: fetch the next blocks of a chain, offer new ones.
+"""A worker's uses of the prefix-cache pool: fetch the next blocks of a chain, offer new ones.
 
 Mental model: the pool stores one KV block per chained hash as an opaque payload; here a payload is
 a codec shard of exactly one block (all layers), carrying its hash in the header. `fetch` asks the
@@ -8,7 +8,10 @@ stopping at the first payload that does not decode or names another hash (a miss
 has and puts only the rest, so a popular prefix is sent once, not once per request. Offers beyond
 `max_pending` are dropped: the cache is an optimisation and must never queue without bound.
 
-The pool turns store failures into misses within its deadline; this class adds none of its own.
+`import_prefix` is the lookup before a prompt is computed, for any engine that prefills: the
+prefill worker's, and a decode worker's when the scheduler has it prefill a request itself (it
+fetches from the pool but does not offer). The pool turns store failures into misses within its
+deadline; this module adds none of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine.async_engine import AsyncEngine
 from actors.engine.block_hash import BlockHash
 from actors.prefix_cache.pool import PrefixCachePool
 from transfer.codec import KVLayout, decode_shard, encode
@@ -119,3 +123,18 @@ class PoolLink:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def import_prefix(async_engine: AsyncEngine, pool: PoolLink | None, reusable: Sequence[BlockHash]) -> tuple[int, int]:
+    """Before a prompt is computed: (leading blocks of `reusable` the engine's own prefix cache
+    holds, blocks fetched from the pool after those and imported into it), so the engine's
+    prefill reuses both like its own. Blocking (the engine lock, the pool). Imports 0 when the
+    engine has no free block to put them in: they are then simply recomputed."""
+    engine = async_engine.engine
+    num_local = async_engine.locked(engine.cached_prefix_len, reusable)
+    if pool is None or num_local >= len(reusable):
+        return num_local, 0
+    got, kv = pool.fetch(reusable[num_local:])
+    if kv is None:
+        return num_local, 0
+    return num_local, async_engine.locked(engine.import_cached_blocks, got, kv)

@@ -35,7 +35,7 @@ from actors.handoff import (
     zero_stale_tail,
 )
 from actors.messages import GenerationRequest, PrefillResult, WorkerLoad
-from actors.pool_link import PoolLink, PoolLinkStats
+from actors.pool_link import PoolLink, PoolLinkStats, import_prefix
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
 from actors.worker_config import WorkerConfig
@@ -76,7 +76,7 @@ class PrefillWorker(ReportsTelemetry):
         num_prompt = req.num_prompt_tokens
         hashes = prompt_block_hashes(req, self.layout.block_size)
         reusable = hashes[: num_reusable_blocks(num_prompt, self.layout.block_size)]
-        num_local, num_pool = await self._call(self._lookup, reusable)
+        num_local, num_pool = await self._call(import_prefix, self.engine, self.pool, reusable)
         looked_up = time.time()
 
         final = None
@@ -102,17 +102,6 @@ class PrefillWorker(ReportsTelemetry):
             lookup_s=looked_up - started, compute_s=computed - looked_up, transfer_s=shipped - computed,
             finished_at=shipped,
         )
-
-    def _lookup(self, reusable: list[BlockHash]) -> tuple[int, int]:
-        """(blocks in the local prefix cache, blocks fetched from the pool and imported after them)."""
-        num_local = self.engine.locked(self._engine.cached_prefix_len, reusable)
-        if self.pool is None or num_local >= len(reusable):
-            return num_local, 0
-        got, kv = self.pool.fetch(reusable[num_local:])
-        if kv is None:
-            return num_local, 0
-        # 0 when the engine has no free block to put them in: they are then simply recomputed
-        return num_local, self.engine.locked(self._engine.import_cached_blocks, got, kv)
 
     def _ship(self, req: GenerationRequest, hashes: list[BlockHash],
               decode_peer: str) -> tuple[torch.Tensor, SendStats]:

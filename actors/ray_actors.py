@@ -11,8 +11,9 @@ one's kernels really use); on a GPU cluster a GPU or a fraction of one, and the 
 pinned to what Ray grants. Each worker's load poll carries its engine's `KVPlan` (how its KV pool
 was sized), and its log has the engine's own lines, the plan among them.
 
-`start_pd` wires a deployment: store actors, decode actors, prefill actors that know every decode
-endpoint (they `add_peer` its transport metadata) and the stores; `start_colocated` a set of
+`start_pd` wires a deployment: store actors, decode actors (which fetch from the stores for the
+prompts they prefill themselves), prefill actors that know every decode endpoint (they `add_peer`
+its transport metadata) and the stores; `start_colocated` a set of
 colocated workers. Actors never restart in place (`max_restarts=0`): a worker restarted by Ray
 would come back without its peers. Instead `PDDeployment.replace(name)` starts a fresh actor of
 the same kind under the same name and wires it as `start_pd` would (a new decode endpoint is
@@ -133,11 +134,21 @@ class PrefillActor(_Inspected, PrefillWorker):
                          pool, name)
 
 
+def _be_nicer(increment: int) -> None:
+    """Lowers the CPU priority of this thread by `increment` (Linux: nice is per thread, and threads
+    started from here on inherit it: the engine's loop and its OpenMP threads)."""
+    if increment > 0 and hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + increment))
+
+
 class DecodeActor(_Inspected, DecodeWorker):
-    def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None,
+                 stores: Mapping[StoreId, StoreHandle] | None = None) -> None:
+        _be_nicer(cfg.decode_nice)  # before the engine starts any thread
         engine = _load_engine(cfg, torch_threads)
+        pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
         super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
-                         name)
+                         name, pool)
 
 
 class ColocatedActor(_Inspected, ColocatedWorker):
@@ -197,7 +208,7 @@ class PDDeployment:
             handle = RemoteColocated.options(**options).remote(cfg, name, self.torch_threads)
             await _started(handle, asyncio.wait_for(handle.load.remote(), timeout))
         elif kind == "decode":
-            handle = RemoteDecode.options(**options).remote(cfg, name, self.torch_threads)
+            handle = RemoteDecode.options(**options).remote(cfg, name, self.torch_threads, self.stores or None)
             metadata = await _started(handle, asyncio.wait_for(handle.transport_metadata.remote(), timeout))
             await _each("add the new endpoint of " + name, {
                 p: asyncio.wait_for(prefill.add_peer.remote(metadata), timeout) for p, prefill in self.prefills.items()})
@@ -272,7 +283,7 @@ def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
     options = resources.actor_options()
     stores = start_store_actors(cache, num_cache, id_prefix=f"{prefix}-cache") if cache and num_cache else {}
     decodes = {f"{prefix}-decode-{i}": RemoteDecode.options(**options).remote(cfg, f"{prefix}-decode-{i}",
-                                                                             torch_threads)
+                                                                             torch_threads, stores or None)
                for i in range(num_decode)}
     prefills = {f"{prefix}-prefill-{i}": RemotePrefill.options(**options).remote(
                     cfg, f"{prefix}-prefill-{i}", stores or None, torch_threads)

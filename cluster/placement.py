@@ -14,8 +14,8 @@ Mental model:
   the place of running batch work (preemption, most slack first); otherwise it goes where the
   predicted wait for a free row is shortest, and admission judges whether that wait is tolerable.
 - Local prefill (`PlacementConfig.local_prefill`): a decode worker whose rows leave part of each
-  step unused under their TPOT target may prefill a request itself, in chunks filling that part,
-  and decode it in place; it is chosen when its predicted first token comes sooner than the best
+  step unused under their TPOT target may prefill a request itself (after fetching what the
+  shared pool holds of its prefix), in chunks filling that part, and decode it in place; it is chosen when its predicted first token comes sooner than the best
   prefill worker's. On a workload whose prompts outweigh its outputs this lends the decode GPUs'
   spare compute to prefill, which a fixed prefill/decode split otherwise leaves idle.
 Ties break by worker name, so decisions are deterministic. Cost: O(workers) per decision.
@@ -183,10 +183,12 @@ class PlacementPolicy:
         and its KV fit now). Its steps keep running its rows; a prefill chunk fills what is left
         of each step under the tightest TPOT target (`room`), so the prefill's compute `work` is
         spread over max(1, work / room) steps of `base` seconds each; the choice carries that
-        chunk size (None without a target: the engine's own budget). Only the worker's own
-        prefix cache counts (a decode worker does not fetch from the pool). Only a first token
-        sooner than `beat_s` counts."""
+        chunk size (None without a target: the engine's own budget). The worker reuses its own
+        prefix cache and, beyond it, what the shared pool holds (a decode worker fetches from the
+        pool before prefilling for itself), priced as in `choose_prefill`. Only a first token sooner
+        than `beat_s` counts."""
         safety, hbs, max_chunk = self.cfg.decode_tpot_safety, self.cfg.hash_block_size, self.cfg.max_local_chunk_tokens
+        pool_hit, fetch_per_block = matches.get(POOL, 0), self.cfg.pool_fetch_s_per_block
         best: tuple[WorkerView, float, float, float, int, int | None] | None = None
         for w, tight, per_row, step in feasible:
             wait = w.backlog_s[0] if rank == 0 else w.backlog_s[0] + w.backlog_s[1]
@@ -195,7 +197,9 @@ class PlacementPolicy:
             if wait >= beat_s:
                 continue
             t = w.model.theta
-            hit = matches.get(w.name, 0) if matches else 0
+            local = matches.get(w.name, 0) if matches else 0
+            hit = local if local >= pool_hit else pool_hit
+            fetch = (hit - local) * fetch_per_block
             cached = min(hit * hbs, num_tokens - 1)
             new = num_tokens - cached
             work = t[1] * new * 1e-3 + t[2] * new * (cached + new * 0.5) * 1e-6
@@ -207,14 +211,14 @@ class PlacementPolicy:
                     continue
                 steps = max(steps, work / room)
             compute = (steps if steps > 1.0 else 1.0) * base + work
-            if wait + compute < beat_s:
+            if wait + fetch + compute < beat_s:
                 if tight is not None:  # never below one block a step, however little room is left
                     chunk = max(min(hbs, max_chunk), chunk_tokens(t, room, cached, max_chunk))
-                beat_s, best = wait + compute, (w, wait, compute, step, hit, chunk)
+                beat_s, best = wait + fetch + compute, (w, wait, fetch, compute, step, hit, hit - local, chunk)
         if best is None:
             return None
-        w, wait, compute, step, hit, chunk = best
-        return PrefillChoice(w, wait, 0.0, compute, hit, 0, chunk), DecodeChoice(w, step, 0.0)
+        w, wait, fetch, compute, step, hit, pool_blocks, chunk = best
+        return PrefillChoice(w, wait, fetch, compute, hit, pool_blocks, chunk), DecodeChoice(w, step, 0.0)
 
     def choose_decode(self, tpot_s: float | None, interactive: bool, total_tokens: int, context_tokens: int,
                       expected_output: int, workers: list[WorkerView],

@@ -120,6 +120,24 @@ def test_decode_workers_prefill_for_themselves_when_that_gives_the_first_token_s
     assert {p.prefill_worker for p in (off.submit(desc(f"r{i}", prompt=4000)) for i in range(4))} == {"p0"}  # type: ignore[union-attr]
 
 
+def test_a_local_prefill_counts_the_pools_blocks_too() -> None:
+    """A decode worker fetches the pool's blocks before prefilling for itself: with the whole prefix
+    in the pool, a busy prefill worker loses to a decode worker that computes only the tail."""
+    hashes = tuple(hash_block_chain(list(range(16 * 250)), 16))
+    slo = InteractiveSlo(ttft_ms=1e6, tpot_ms=50.0)
+    cfg = SchedulerConfig(default_tenant=TenantConfig(T("default"), slo=slo), heartbeat_timeout_s=1e6,
+                          placement=PlacementConfig(local_prefill=True, pool_fetch_s_per_block=1e-5))
+    sched, _ = make(cfg, prefill=1, decode=1)
+    sched.on_pool_report(added=hashes[:240])
+    first = sched.submit(desc("r0", prompt=4000, hashes=hashes))  # the idle prefill worker, pool blocks and all
+    assert isinstance(first, Placement) and not first.local and first.num_pool_blocks == 240
+    second = sched.submit(desc("r1", prompt=4000, hashes=hashes))
+    assert isinstance(second, Placement) and second.local  # 160 tokens beside its rows beat waiting for r0
+    assert (second.num_prefix_hit_blocks, second.num_pool_blocks) == (240, 240)
+    assert second.predicted_ttft_s < 2 * first.predicted_ttft_s
+    sched.check_integrity()
+
+
 def test_local_prefill_chunks_fill_the_step_to_the_tightest_tpot_target() -> None:
     sched, _ = make(_local_cfg(), prefill=1, decode=1)
     assert sched.local_chunk_tokens(W("d0"), 0, 0, 0) == PlacementConfig().max_local_chunk_tokens  # no target yet

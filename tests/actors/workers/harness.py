@@ -77,12 +77,13 @@ class LocalCluster:
 
     @classmethod
     async def start(cls, cfg: WorkerConfig, num_prefill: int = 1,
-                    pool: PrefixCachePool | None = None) -> "LocalCluster":
+                    pool: PrefixCachePool | None = None, decode_pool: bool = False) -> "LocalCluster":
+        """`decode_pool`: the decode worker fetches from `pool` too, for prompts it prefills itself."""
         tag = uuid.uuid4().hex[:6]
         cluster = cls(cfg)
         engine = Engine.from_pretrained(cfg.model, cfg.engine)
         cluster.decode = DecodeWorker(cfg, AsyncEngine(engine), make_transport(f"d-{tag}", cfg.transfer),
-                                      kv_layout(engine))
+                                      kv_layout(engine), prefix_pool=pool if decode_pool else None)
         for i in range(num_prefill):
             engine = Engine.from_pretrained(cfg.model, cfg.engine)
             transport = make_transport(f"p{i}-{tag}", cfg.transfer)

@@ -114,3 +114,31 @@ def test_failed_store_becomes_misses(tiny_model_dir: Path, tmp_path: Path) -> No
             cluster.close()
 
     asyncio.run(main())
+
+
+def test_a_decode_worker_prefilling_for_itself_imports_the_pools_blocks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The scheduler's local prefill: the decode worker runs the prompt whole (no handoff), and first
+    takes the prefix a prefill worker left in the pool, so it computes only the new tokens."""
+    first, second = PREFIX + random_tokens(7, seed=1), PREFIX + random_tokens(9, seed=2)
+    want = reference(tiny_model_dir, [first, second], GREEDY)
+
+    async def main() -> None:
+        pool, _ = make_pool(tmp_path)
+        cluster = await LocalCluster.start(worker_config(tiny_model_dir), num_prefill=1, pool=pool)
+        # another decode worker, which never saw the prefix: only the pool has it
+        other = await LocalCluster.start(worker_config(tiny_model_dir), num_prefill=0, pool=pool, decode_pool=True)
+        try:
+            a = await run_and_offer(cluster, GenerationRequest("a", first, GREEDY), prefill=0)
+            decode = other.decode
+            assert decode is not None
+            forwarded_before = decode.engine.engine.stats().num_forwarded_tokens
+            b = [e async for e in decode.generate(GenerationRequest("b", second, GREEDY))]
+            # 9 new prompt tokens, then one per decode step after the first output token
+            assert decode.engine.engine.stats().num_forwarded_tokens - forwarded_before == 9 + GREEDY.max_tokens - 1
+            assert decode.pool_stats().num_fetched_blocks == 4  # type: ignore[union-attr]
+            assert [a.token_ids, Run(None, b).token_ids] == want
+        finally:
+            cluster.close()
+            other.close()
+
+    asyncio.run(main())

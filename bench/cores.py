@@ -1,0 +1,151 @@
+"""How two CPU engines on one node should share its cores: split, shared, or shared with spinning threads.
+
+A disaggregated app on a CPU node runs a prefill engine and a decode engine in two processes. This
+bench runs the same pair the way the app can: a prefill process repeatedly prefilling one
+`--prompt-tokens` prompt, beside a decode process stepping `--rows` rows, each configuration for
+`--seconds`, and each engine alone too:
+- split: each engine has cores/2 threads (the app's former default);
+- shared: each has every core, with OpenMP's passive wait policy (`engine.cpu_cores: shared`, the
+  default): idle threads sleep, so a lone busy engine gets all the cores;
+- spinning: each has every core with libgomp's default wait policy (torch's own default).
+The figures are prefill tokens/s and decode milliseconds per step, measured in the same run; the
+ratios compare each configuration with split.
+
+    python -m bench.cores [--seconds 20] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.common import format_table, progress
+
+CONFIGS = {
+    "split": ("half", None),
+    "shared": ("all", "PASSIVE"),
+    "spinning": ("all", None),
+}
+
+
+def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: int, model: str) -> dict[str, float]:
+    """Runs in its own process (the wait policy is read when libgomp loads): one engine's figure."""
+    import torch
+
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import Engine
+    from actors.engine.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = Engine.from_pretrained(model, EngineConfig(dtype="float32", device="cpu", max_num_seqs=max(rows, 1),
+                                                        max_num_batched_tokens=max(prompt_tokens, 64),
+                                                        kv_cache_bytes=512 << 20))
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(1 << 30))
+
+    def add(n: int, max_tokens: int) -> None:
+        engine.add_request(f"r{next(ids)}", [rng.randrange(vocab) for _ in range(n)],
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    add(32, 2)  # warm-up: first-call costs out of the figures
+    while engine.has_unfinished_requests():
+        engine.step()
+    start = time.perf_counter()
+    if role == "prefill":
+        tokens = 0
+        while time.perf_counter() - start < seconds:
+            add(prompt_tokens, 1)
+            while engine.has_unfinished_requests():
+                engine.step()
+            tokens += prompt_tokens
+        return {"prefill_tok_s": tokens / (time.perf_counter() - start)}
+    for _ in range(rows):
+        add(32, engine.max_model_len - 32)  # rows that outlast the run
+    steps, t0 = 0, None
+    while time.perf_counter() - start < seconds:
+        engine.step()
+        steps += 1
+        if steps == 3:  # every row past its prompt
+            t0, steps = time.perf_counter(), 0
+    return {"decode_step_ms": 1e3 * (time.perf_counter() - t0) / max(steps, 1) if t0 else float("nan")}
+
+
+def _spawn(role: str, config: str, args: argparse.Namespace, cpus: int) -> subprocess.Popen[str]:
+    threads_kind, policy = CONFIGS[config]
+    threads = max(1, cpus // 2) if threads_kind == "half" else cpus
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    argv = [sys.executable, "-m", "bench.cores", "--worker", role, "--threads", str(threads),
+            "--seconds", str(args.seconds), "--prompt-tokens", str(args.prompt_tokens), "--rows", str(args.rows),
+            "--model", args.model]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen[str]) -> dict[str, float]:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker exited with {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    figures: dict[str, Any] = {"cpus": cpus, "prompt_tokens": args.prompt_tokens, "rows": args.rows,
+                               "seconds": args.seconds, "configs": {}}
+    for config in CONFIGS:
+        row: dict[str, float] = {}
+        for role in ("prefill", "decode"):  # each engine alone
+            progress(f"{config}: {role} alone")
+            row.update({f"alone_{k}": v for k, v in _result(_spawn(role, config, args, cpus)).items()})
+        progress(f"{config}: prefill beside decode")
+        decode = _spawn("decode", config, args, cpus)
+        prefill = _spawn("prefill", config, args, cpus)
+        row.update({f"together_{k}": v for k, v in (_result(prefill) | _result(decode)).items()})
+        figures["configs"][config] = row
+    split = figures["configs"]["split"]
+    for row in figures["configs"].values():
+        row["together_prefill_vs_split"] = row["together_prefill_tok_s"] / split["together_prefill_tok_s"]
+        row["alone_prefill_vs_split"] = row["alone_prefill_tok_s"] / split["alone_prefill_tok_s"]
+    return figures
+
+
+def render(figures: dict[str, Any]) -> str:
+    rows = [[name, round(r["alone_prefill_tok_s"]), round(r["alone_decode_step_ms"], 1),
+             round(r["together_prefill_tok_s"]), round(r["together_decode_step_ms"], 1),
+             round(r["alone_prefill_vs_split"], 2), round(r["together_prefill_vs_split"], 2)]
+            for name, r in figures["configs"].items()]
+    title = (f"{figures['cpus']} CPUs, SmolLM2 float32: a {figures['prompt_tokens']}-token prefill process and a "
+             f"{figures['rows']}-row decode process, {figures['seconds']:g} s each")
+    return format_table(["cores", "prefill tok/s alone", "decode ms/step alone", "prefill tok/s together",
+                         "decode ms/step together", "prefill alone vs split", "prefill together vs split"],
+                        rows, title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.threads, args.seconds, args.prompt_tokens, args.rows, args.model)))
+        return 0
+    figures = measure(args)
+    print(json.dumps(figures, indent=1) if args.json else render(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
