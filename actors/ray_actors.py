@@ -134,17 +134,9 @@ class PrefillActor(_Inspected, PrefillWorker):
                          pool, name)
 
 
-def _be_nicer(increment: int) -> None:
-    """Lowers the CPU priority of this thread by `increment` (Linux: nice is per thread, and threads
-    started from here on inherit it: the engine's loop and its OpenMP threads)."""
-    if increment > 0 and hasattr(os, "setpriority"):
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + increment))
-
-
 class DecodeActor(_Inspected, DecodeWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None,
                  stores: Mapping[StoreId, StoreHandle] | None = None) -> None:
-        _be_nicer(cfg.decode_nice)  # before the engine starts any thread
         engine = _load_engine(cfg, torch_threads)
         pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
         super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),

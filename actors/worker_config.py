@@ -39,10 +39,6 @@ class WorkerConfig:
     pool_timeout_s: float = 2.0  # prefill: one pool fan-out; a slower store is a miss
     max_pending_offers: int = 64  # prefill: background pool offers beyond this are dropped
     stream_interval: int = 1  # decode: tokens per streamed delta after the first (1 = every token)
-    # decode: the engine's threads run this much nicer (Linux nice, 0-19) than the node's other
-    # processes. With CPU engines sharing cores, a prefill then takes the cores first: a first token
-    # cannot wait, while a decode row's mean time per token absorbs the pause.
-    decode_nice: int = 0
     # Deprecated twin of `transfer.ucx_net_devices` (the transport's own setting, "lo" by default),
     # kept while deploy/config.py still passes it; when set it is applied first and so wins.
     ucx_net_devices: str | None = None
@@ -54,8 +50,6 @@ class WorkerConfig:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
-        if not 0 <= self.decode_nice <= 19:
-            raise ValueError(f"decode_nice must be in [0, 19], got {self.decode_nice}")
         for name in ("lease_s", "transfer_timeout_s", "recv_poll_s", "pool_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -62,9 +62,6 @@ class EngineSection(_Section):
         "shared", description="CPU engines: shared, every engine runs on all the node's cores and sleeps "
                               "when idle (OMP_WAIT_POLICY=PASSIVE), so a busy prefill gets the cores an idle "
                               "decode leaves; split, each engine keeps an equal part of the cores")
-    decode_nice: int = Field(
-        10, ge=0, le=19, description="CPU workers sharing cores: the decode worker runs this much nicer (Linux "
-                                     "nice), so a prefill takes the cores first; 0 treats both alike")
     torch_threads: int | None = Field(
         None, gt=0, description="threads each worker's kernels use; default: all of this node's CPUs "
                                 "(cpu_cores shared), or an equal split of them among the app's engines (split)")
@@ -158,15 +155,8 @@ class AppConfig(_Section):
                                     ucx_net_devices=t.ucx_net_devices),
             compression=t.compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
             lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
-            stream_interval=self.stream_interval, decode_nice=self.decode_nice(resources),
+            stream_interval=self.stream_interval,
         )
-
-    def decode_nice(self, resources: WorkerResources | None) -> int:
-        """`engine.decode_nice` where the engines share CPU cores, else 0 (a GPU worker's compute,
-        or a split core, is its own)."""
-        shares = resources.share_cores if resources is not None else self.engine.cpu_cores == "shared"
-        on_cpu = resources.device == "cpu" if resources is not None else self.engine.device != "cuda"
-        return self.engine.decode_nice if shares and on_cpu else 0
 
     def to_cache_config(self) -> PrefixCacheConfig | None:
         c = self.prefix_cache

@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "mean prompt length) and report each system's knee as a fraction of it")
     p.add_argument("--input-len", type=int, default=128, help="prompt length without a trace")
     p.add_argument("--output-len", type=int, default=32, help="output length without a trace")
-    p.add_argument("--slo", default="ttft:3000,tpot:250", help="ttft:MS,tpot:MS[,e2el:MS] for every tenant")
+    p.add_argument("--slo", default="ttft:3000,tpot:200",
+                   help="ttft:MS,tpot:MS[,e2el:MS] for every tenant (default: the real-length goodput targets)")
     p.add_argument("--tenants", default="t0,t1", help="comma-separated tenants, assigned round-robin")
     p.add_argument("--batch-slo", default=None, help="if set, the 2nd tenant is class 'batch' with these SLOs")
     p.add_argument("--max-concurrency", type=int, default=None, help="default: --parallel")

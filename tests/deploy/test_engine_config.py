@@ -95,14 +95,3 @@ def test_the_default_app_serves_a_prompt_of_the_whole_context(long_context_model
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].finished and len(outs[-1].token_ids) == 1
-
-
-@pytest.mark.parametrize(("args", "cluster_gpus", "want"), [
-    ({}, 0.0, 10),  # CPU engines sharing the cores: prefill first
-    ({"engine": {"cpu_cores": "split"}}, 0.0, 0),  # cores of its own
-    ({}, 1.0, 0),  # a GPU worker's compute is its own
-    ({"engine": {"decode_nice": 3}}, 0.0, 3),
-])
-def test_the_decode_worker_is_nicer_only_where_cores_are_shared(args: dict, cluster_gpus: float, want: int) -> None:
-    cfg = load_config(args)
-    assert cfg.to_worker_config(cfg.worker_resources(cluster_gpus)).decode_nice == want

@@ -200,28 +200,3 @@ def test_workers_that_share_cores_start_with_sleeping_openmp_threads(ray_cluster
     finally:
         pd.shutdown()
 
-
-def test_a_nicer_decode_thread_passes_its_priority_to_the_threads_it_starts() -> None:
-    import os
-    import threading
-
-    seen: dict[str, int] = {}
-
-    def engine_thread() -> None:
-        seen["engine"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    def actor_init() -> None:
-        before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        ray_actors._be_nicer(5)
-        seen["init"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - before
-        child = threading.Thread(target=engine_thread)  # as the engine loop and OpenMP threads start
-        child.start()
-        child.join()
-        seen["engine"] -= before
-
-    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    t = threading.Thread(target=actor_init)
-    t.start()
-    t.join()
-    assert seen == {"init": 5, "engine": 5}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before  # per thread on Linux
