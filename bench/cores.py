@@ -68,13 +68,13 @@ def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: i
         return {"prefill_tok_s": tokens / (time.perf_counter() - start)}
     for _ in range(rows):
         add(32, engine.max_model_len - 32)  # rows that outlast the run
-    steps, t0 = 0, None
-    while time.perf_counter() - start < seconds:
+    for _ in range(3):  # every row past its prompt: decode-only steps from here
+        engine.step()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or steps == 0:
         engine.step()
         steps += 1
-        if steps == 3:  # every row past its prompt
-            t0, steps = time.perf_counter(), 0
-    return {"decode_step_ms": 1e3 * (time.perf_counter() - t0) / max(steps, 1) if t0 else float("nan")}
+    return {"decode_step_ms": 1e3 * (time.perf_counter() - t0) / steps}
 
 
 def _spawn(role: str, config: str, args: argparse.Namespace, cpus: int) -> subprocess.Popen[str]:

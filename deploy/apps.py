@@ -50,10 +50,9 @@ SEMANTIC_CACHE_ACTOR = "ferry-semantic-cache"
 def default_torch_threads(cfg: AppConfig) -> int:
     """All of this node's CPUs for every engine when they share the cores (`engine.cpu_cores`
     shared: their OpenMP threads sleep when idle, so two busy engines take turns and a lone busy
-    one runs on every core), else an equal split among the app's engines. Measured on 2 cores
-    (SmolLM2, float32, a 1,000-token prefill beside an 8-row decode): split 269 tok/s and 86 ms a
-    step; shared 263 tok/s and 90 ms; shared and spinning (torch's default) 131 tok/s and 216 ms;
-    a prefill alone 475 tok/s shared vs 252 split. On GPU nodes the CPU threads matter little."""
+    one runs on every core), else an equal split among the app's engines (`python -m bench.cores`
+    on 2 cores: a prefill alone 515 tok/s shared vs 269 split; beside a busy decode 278 vs 271, and
+    138 shared with torch's default spinning threads). On GPU nodes the CPU threads matter little."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cpus if cfg.engine.cpu_cores == "shared" else max(1, cpus // cfg.num_engines)
 
