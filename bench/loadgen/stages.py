@@ -10,7 +10,10 @@ engine produced each output token. `summarize_stages` turns them into one row pe
 - the prefill worker's busy fraction over the rate (the union of its compute intervals) and the
   prompt tokens/s it computed while busy: low busy time means prefill waits on something else,
   a low rate while busy means the steps themselves are slow (contention, small chunks);
-- TPOT as the engine produced tokens vs as the client received them (the per-token path cost).
+- TPOT as the engine produced tokens vs as the client received them (the per-token path cost);
+- prefix reuse: prompt tokens served from a prefix cache (every request, wherever it was
+  prefilled), and for handed-off prompts the blocks found in the prefill worker's own cache vs
+  fetched from the shared pool.
 Servers without timelines (peers) give no row.
 """
 
@@ -101,6 +104,9 @@ def summarize_stages(records: list[RequestRecord], timelines: dict[str, dict[str
         "prefill_busy": busy_s / duration_s if duration_s > 0 and compute else None,
         "prefill_tok_s_busy": computed / busy_s if busy_s > 0 else None,
         "engine_tpot_p50_ms": _median(engine_tpot), "client_tpot_p50_ms": _median(client_tpot),
+        "prefix_hit_tokens": sum(int(t.get("num_cached_tokens") or 0) for _, t in pairs),
+        "local_hit_blocks": sum(int(p.get("local_hit_blocks", 0)) for p in prefills),
+        "pool_hit_blocks": sum(int(p.get("pool_hit_blocks", 0)) for p in prefills),
         "engine_tpot_mean_ms": float(np.mean(engine_tpot)) if engine_tpot else None,
         "client_tpot_mean_ms": float(np.mean(client_tpot)) if client_tpot else None,
     }
@@ -116,6 +122,7 @@ STAGE_COLUMNS = [
     ("TTFT engine p50", "engine_ttft_p50_ms"), ("TTFT client p50", "client_ttft_p50_ms"),
     ("prefill busy", "prefill_busy"), ("prefill tok/s busy", "prefill_tok_s_busy"),
     ("TPOT engine", "engine_tpot_mean_ms"), ("TPOT client", "client_tpot_mean_ms"), ("client/engine", "tpot_path_ratio"),
+    ("prefix hit tok", "prefix_hit_tokens"), ("own-cache blocks", "local_hit_blocks"), ("pool blocks", "pool_hit_blocks"),
 ]
 
 

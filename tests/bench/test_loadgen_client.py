@@ -231,10 +231,11 @@ def test_stages_come_from_the_servers_timelines_by_request_id(server: str) -> No
     TIMELINES.clear()
     # cmpl-1 was handed off (its prefill computed 1,000 tokens in 2 s, from t=10 to t=12), cmpl-2
     # was prefilled by its decode worker (no prefill stages); cmpl-3 has no timeline (a peer).
-    TIMELINES["cmpl-1"] = {"num_prompt_tokens": 1000, "ttft_ms": 2600.0, "tpot_ms": 50.0, "prefill": {
-        "queued_s": 0.4, "lookup_s": 0.01, "compute_s": 2.0, "transfer_s": 0.1, "computed_tokens": 1000,
-        "finished_at": 12.1}}
-    TIMELINES["cmpl-2"] = {"num_prompt_tokens": 200, "ttft_ms": 900.0, "tpot_ms": 70.0}
+    TIMELINES["cmpl-1"] = {"num_prompt_tokens": 1000, "num_cached_tokens": 96, "ttft_ms": 2600.0, "tpot_ms": 50.0,
+                           "prefill": {"queued_s": 0.4, "lookup_s": 0.01, "compute_s": 2.0, "transfer_s": 0.1,
+                                       "computed_tokens": 1000, "finished_at": 12.1, "local_hit_blocks": 2,
+                                       "pool_hit_blocks": 4}}
+    TIMELINES["cmpl-2"] = {"num_prompt_tokens": 200, "num_cached_tokens": 32, "ttft_ms": 900.0, "tpot_ms": 70.0}
     reqs = [BenchRequest(0.0, 5, 8), BenchRequest(0.0, 5, 8), BenchRequest(0.0, 5, 8)]
     records, dur = asyncio.run(replay(ClientConfig(url=server, model="m", duration_s=1.0, grace_s=5.0), reqs))
     assert sorted(r.request_id for r in records) == ["cmpl-1", "cmpl-2", "cmpl-3"]
@@ -245,6 +246,8 @@ def test_stages_come_from_the_servers_timelines_by_request_id(server: str) -> No
     assert st["queued_p50_ms"] == pytest.approx(400) and st["compute_p50_ms"] == pytest.approx(2000)
     assert st["prefill_busy"] == pytest.approx(0.5) and st["prefill_tok_s_busy"] == pytest.approx(500)
     assert st["engine_tpot_mean_ms"] == pytest.approx(60)
+    # prefix reuse: cached tokens of every request, own-cache vs pool blocks of the handed-off one
+    assert (st["prefix_hit_tokens"], st["local_hit_blocks"], st["pool_hit_blocks"]) == (128, 2, 4)
     assert st["client_tpot_mean_ms"] is not None and st["tpot_path_ratio"] == pytest.approx(
         st["client_tpot_mean_ms"] / 60)
     assert summarize_stages(records, {}, 4.0) is None  # a server without timelines: no row
