@@ -25,12 +25,14 @@ import sys
 import time
 from typing import Any
 
+from actors.worker_config import SHARED_CORES_ENV
 from bench.common import format_table, progress
 
-CONFIGS = {
-    "split": ("half", None),
-    "shared": ("all", "PASSIVE"),
-    "spinning": ("all", None),
+# (threads: half or all of the CPUs, the environment the app gives its workers)
+CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
+    "split": ("half", {}),
+    "shared": ("all", SHARED_CORES_ENV),  # what `engine.cpu_cores: shared` sets in each worker
+    "spinning": ("all", {}),
 }
 
 
@@ -78,11 +80,10 @@ def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: i
 
 
 def _spawn(role: str, config: str, args: argparse.Namespace, cpus: int) -> subprocess.Popen[str]:
-    threads_kind, policy = CONFIGS[config]
+    threads_kind, extra_env = CONFIGS[config]
     threads = max(1, cpus // 2) if threads_kind == "half" else cpus
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
+    env.update(extra_env)
     argv = [sys.executable, "-m", "bench.cores", "--worker", role, "--threads", str(threads),
             "--seconds", str(args.seconds), "--prompt-tokens", str(args.prompt_tokens), "--rows", str(args.rows),
             "--model", args.model]

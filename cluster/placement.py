@@ -15,7 +15,8 @@ Mental model:
   predicted wait for a free row is shortest, and admission judges whether that wait is tolerable.
 - Local prefill (`PlacementConfig.local_prefill`): a decode worker whose rows leave part of each
   step unused under their TPOT target may prefill a request itself (after fetching what the
-  shared pool holds of its prefix), in chunks filling that part, and decode it in place; it is chosen when its predicted first token comes sooner than the best
+  shared pool holds of its prefix), in chunks filling that part, and decode it in place; it is
+  chosen when its predicted first token comes sooner than the best
   prefill worker's. On a workload whose prompts outweigh its outputs this lends the decode GPUs'
   spare compute to prefill, which a fixed prefill/decode split otherwise leaves idle.
 Ties break by worker name, so decisions are deterministic. Cost: O(workers) per decision.
