@@ -48,8 +48,7 @@ class ColocatedWorker(ReportsTelemetry):
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Streams the request's deltas; bad input raises before the first one. Closing the
         iterator early aborts the request and frees its blocks."""
-        outputs = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
-                                       **req.engine_kwargs())
+        outputs = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params, req.engine_options())
         try:
             async for out in outputs:
                 yield TokenEvent.of(out, self.name)

@@ -35,3 +35,7 @@ class UnknownRequest(DataPlaneError):
 
 class WorkerTimeout(DataPlaneError, TimeoutError):
     """A remote call to a worker did not answer within its deadline."""
+
+
+class EngineDead(RuntimeError):
+    """The engine's stepping thread crashed; the worker serves nothing until it is replaced."""

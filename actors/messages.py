@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from actors.engine.options import RequestOptions
 from actors.engine.output import RequestOutput, StepRecord
 from actors.engine.sampling import SamplingParams
 
@@ -88,16 +89,20 @@ class GenerationRequest:
         (its only token is recomputed by the first decode), and a resume recomputes its tokens."""
         return self.num_prompt_tokens >= 2 and not self.output_token_ids
 
-    def engine_kwargs(self) -> dict[str, object]:
-        """Keyword arguments of `Engine.add_request` / `AsyncEngine.generate` for this request."""
-        return {
-            "extra_keys": self.cache_salt,
-            "num_shared_prefix_tokens": self.num_shared_prefix_tokens,
-            "seed": self.seed,
-            "output_token_ids": self.output_token_ids,
-            "max_chunk_tokens": self.max_chunk_tokens,
-            "priority_rank": self.priority_rank,
-        }
+    def engine_options(self, *, prefill_only: bool = False) -> RequestOptions:
+        """How an engine runs this request (`Engine.add_request` / `AsyncEngine.generate`): whole,
+        on a decode or colocated worker; or with `prefill_only`, just its prompt's KV at the
+        engine's full step budget, on a prefill worker. `arrival_time` stays here: it is wall
+        clock, the engine's is monotonic."""
+        return RequestOptions(
+            extra_keys=self.cache_salt or (),
+            num_shared_prefix_tokens=self.num_shared_prefix_tokens,
+            output_token_ids=self.output_token_ids,
+            seed=self.seed,
+            prefill_only=prefill_only,
+            max_chunk_tokens=None if prefill_only else self.max_chunk_tokens,
+            priority_rank=self.priority_rank,
+        )
 
 
 @dataclass(frozen=True)

@@ -81,9 +81,7 @@ class PrefillWorker(ReportsTelemetry):
 
         final = None
         async for out in self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
-                                              prefill_only=True, extra_keys=req.cache_salt, seed=req.seed,
-                                              num_shared_prefix_tokens=req.num_shared_prefix_tokens,
-                                              priority_rank=req.priority_rank):
+                                              req.engine_options(prefill_only=True)):
             final = out
         assert final is not None and final.finish_reason == "prefilled", final
         computed = time.time()

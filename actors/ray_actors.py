@@ -20,7 +20,8 @@ the same kind under the same name and wires it as `start_pd` would (a new decode
 added to every prefill worker; a new prefill worker learns every decode endpoint). The transports
 tell the new incarnation from the dead one by their incarnation numbers, the scheduler by the
 worker's telemetry incarnation; keeping the name keeps dashboards and metrics continuous.
-`PDClient` calls it when it declares a worker dead (`client(replace_dead=True)`).
+The router calls it when it declares a worker dead (`cluster.router.ray_handles.router_for(...,
+replace_dead=True)`).
 """
 
 from __future__ import annotations
@@ -45,16 +46,13 @@ from actors.engine.engine import Engine
 from actors.engine.output import EngineStats
 from actors.handoff import kv_layout
 from actors.messages import WorkerLoad
-from actors.pd_client import PDClient
-from actors.placement import Placement, ScheduledPlacement
 from actors.prefill import PrefillWorker
 from actors.prefix_cache.actor import RayStoreHandle, start_store_actors
 from actors.prefix_cache.handles import StoreHandle
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig
-from actors.recovery import RecoveryConfig
-from actors.worker_config import WORKER_NUM_CPUS, ClientConfig, WorkerConfig, WorkerResources, plan_worker_resources
+from actors.worker_config import WORKER_NUM_CPUS, WorkerConfig, WorkerResources, plan_worker_resources
 from transfer.config import make_transport
 from transfer.transport import KVTransport
 
@@ -171,15 +169,6 @@ class PDDeployment:
     colocated: bool = False  # `decodes` are colocated workers (no prefill workers, no handoff)
     start_timeout_s: float = START_TIMEOUT_S
     closed: bool = False  # shut down: replacements are refused (and one under way is stopped)
-
-    def client(self, cfg: ClientConfig | None = None, placement: Placement | ScheduledPlacement | None = None,
-               prefills: list[str] | None = None, *, recovery: RecoveryConfig | None = None,
-               replace_dead: bool = False) -> PDClient:
-        """A caller over all workers, or over the named prefill workers only; with `replace_dead`
-        it asks this deployment for a fresh worker whenever it declares one dead (give that to one
-        client per deployment: two would each replace the same dead worker)."""
-        chosen = {n: self.prefills[n] for n in prefills} if prefills is not None else self.prefills
-        return PDClient(chosen, self.decodes, cfg, placement, recovery, replacer=self if replace_dead else None)
 
     async def replace(self, name: str) -> ActorHandle:
         """Kills what is left of worker `name`, starts a fresh actor of its kind under the same name,

@@ -1,10 +1,10 @@
-"""Frozen configuration of the data-plane workers and of the caller that drives them.
+"""Frozen configuration of the data-plane workers.
 
 `WorkerConfig` is one section per worker process: which model, how its engine is sized, how KV
 leaves it (transport kind, compression, shards) and the deadlines it keeps. `WorkerResources` is
 what each worker actor asks Ray for, which decides where its engine runs (`plan_worker_resources`
-turns a configured device into it). `ClientConfig` is the caller's deadlines. pydantic validation
-of user input lives in deploy/; these only check invariants.
+turns a configured device into it). pydantic validation of user
+input lives in deploy/; these only check invariants (the router's own settings: cluster/router/config.py).
 """
 
 from __future__ import annotations
@@ -56,21 +56,6 @@ class WorkerConfig:
         if self.transfer_timeout_s >= self.lease_s:
             # a send that is still allowed to finish after the receiver gave up would be wasted
             raise ValueError("transfer_timeout_s must be shorter than lease_s")
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    call_timeout_s: float = 10.0  # announce, load, abort
-    prefill_timeout_s: float = 60.0  # a whole prefill: queue, lookup, compute, send
-    token_timeout_s: float = 60.0  # between two streamed events (the first waits for the prefill too)
-    load_ttl_s: float = 0.2  # how long polled worker loads are trusted
-    room_wait_s: float = 30.0  # a new request that finds every decode row taken queues this long (0: refuse at once)
-
-    def __post_init__(self) -> None:
-        if min(self.call_timeout_s, self.prefill_timeout_s, self.token_timeout_s) <= 0 or self.load_ttl_s < 0:
-            raise ValueError("timeouts must be positive and load_ttl_s >= 0")
-        if self.room_wait_s < 0:
-            raise ValueError("room_wait_s must be >= 0")
 
 
 class NoGpuForWorker(ValueError):

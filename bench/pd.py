@@ -44,11 +44,13 @@ from actors.engine.fetch import resolve_model
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest, PrefillResult, TokenEvent
-from actors.pd_client import PDClient
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.ray_actors import RemoteColocated, RemotePrefill, start_pd
-from actors.worker_config import ClientConfig, WorkerConfig
+from actors.worker_config import WorkerConfig
 from bench.common import format_table, progress, run_on_local_ray
+from cluster.router.client import Router
+from cluster.router.config import RouterConfig
+from cluster.router.ray_handles import ray_handles, router_for
 
 MODEL = "smollm2"
 SYSTEM = (
@@ -72,7 +74,7 @@ QUESTIONS = [
     "Is there a discount for a group of twelve?", "What are the winter fares?",
     "Can I take my bike on the evening ferry?", "How early should foot passengers arrive?",
 ]
-CLIENT = ClientConfig(call_timeout_s=60, prefill_timeout_s=120, token_timeout_s=120)
+CLIENT = RouterConfig(call_timeout_s=60, prefill_timeout_s=120, token_timeout_s=120)
 
 
 def chat(tok: Tokenizer, question: str) -> list[int]:
@@ -119,7 +121,7 @@ async def run_all(stream: Streamer, reqs: Sequence[GenerationRequest], concurren
     return list(await asyncio.gather(*(one(r) for r in reqs)))
 
 
-def pd_stream(client: PDClient) -> Streamer:
+def pd_stream(client: Router) -> Streamer:
     return client.generate
 
 
@@ -130,7 +132,7 @@ def colocated_stream(actor: Any) -> Streamer:
     return stream
 
 
-async def run_pd(client: PDClient, reqs: Sequence[GenerationRequest], concurrency: int) -> list[Sample]:
+async def run_pd(client: Router, reqs: Sequence[GenerationRequest], concurrency: int) -> list[Sample]:
     samples = await run_all(pd_stream(client), reqs, concurrency)
     for req, s in zip(reqs, samples):
         s.result = client.prefill_result(req.request_id)
@@ -187,7 +189,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     cache = PrefixCacheConfig(dram_bytes=256 << 20, disk_bytes=1 << 30)
     pd = start_pd(cfg, num_prefill=2, num_decode=1, cache=cache, num_cache=1, torch_threads=1)
     try:
-        first, second = (pd.client(CLIENT, prefills=[name]) for name in pd.prefills)
+        first, second = (router_for(pd, CLIENT, prefills=[name]) for name in pd.prefills)
         await run_pd(first, requests(prompts[:1], params, "pd-warm", "bench", shared), 1)
         exact: list[Sample] = []
         for arrival, conc in (("sequential", 1), ("burst", args.concurrency)):
@@ -223,7 +225,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             actor = RemotePrefill.remote(dataclasses.replace(cfg, compression=comp), name, None, 1)
             try:
                 await asyncio.wait_for(actor.add_peer.remote(decode_meta), 120)
-                client = PDClient({name: actor}, pd.decodes, CLIENT)
+                client = Router(ray_handles({name: actor}), ray_handles(pd.decodes), CLIENT)
                 await run_pd(client, requests(prompts[:1], params, f"{comp}-warm", "bench", shared), 1)
                 samples = await run_pd(client, requests(prompts, params, f"kv-{comp}", "bench", shared), 1)
                 figures["kv_bytes"][comp] = kv_row(samples, exact)

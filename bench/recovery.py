@@ -49,14 +49,15 @@ from actors.engine.fetch import resolve_model
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest
-from actors.pd_client import PDClient
-from actors.recovery import RecoveryConfig
-from actors.worker_config import ClientConfig, WorkerConfig
+from actors.worker_config import WorkerConfig
 from bench.common import format_table, progress, run_on_local_ray
 from bench.pd import QUESTIONS, chat
+from cluster.router.client import Router
+from cluster.router.config import RecoveryConfig, RouterConfig
+from cluster.router.ray_handles import router_for
 
 MODEL = "smollm2"
-CLIENT = ClientConfig(call_timeout_s=60, prefill_timeout_s=120, token_timeout_s=120, load_ttl_s=0.1)
+CLIENT = RouterConfig(call_timeout_s=60, prefill_timeout_s=120, token_timeout_s=120, load_ttl_s=0.1)
 SCENARIOS = (("1P+1D replace", 1, True), ("1P+1D no-replace", 1, False), ("1P+2D replace", 2, True))
 
 
@@ -72,28 +73,29 @@ class Run:
 
 
 @contextmanager
-def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterator[PDClient]:
+def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterator[Router]:
     """1 prefill + `num_decode` decode actors (1 torch thread each), the scheduler actor configured
     as `ferry serve`'s default (its default tenant's loose SLO), and a client placing through it."""
     from actors.ray_actors import start_pd
     from cluster.actor import start_scheduler
-    from cluster.link import LinkConfig, SchedulerPlacement
+    from cluster.router.link import SchedulerLink
+    from cluster.router.link_config import LinkConfig
     from deploy.scheduler_config import SchedulerSection
 
     tag = uuid.uuid4().hex[:6]
     pd = start_pd(cfg, num_prefill=1, num_decode=num_decode, torch_threads=1, name_prefix=f"rb-{tag}")
     sched_cfg = SchedulerSection().to_scheduler_config()
     scheduler = start_scheduler(sched_cfg, name=f"rb-scheduler-{tag}")
-    link = SchedulerPlacement(scheduler, LinkConfig(report_interval_s=0.1), sched_cfg)
+    link = SchedulerLink(scheduler, LinkConfig(report_interval_s=0.1), sched_cfg)
     try:
-        yield pd.client(CLIENT, link, recovery=RecoveryConfig(), replace_dead=replace_dead)
+        yield router_for(pd, CLIENT, control=link, recovery=RecoveryConfig(), replace_dead=replace_dead)
     finally:
         link.close()
         pd.shutdown()
         ray.kill(scheduler, no_restart=True)
 
 
-async def run_streams(client: PDClient, reqs: list[GenerationRequest], kill_after: int | None) -> dict[str, Any]:
+async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after: int | None) -> dict[str, Any]:
     """Streams `reqs` at once; with `kill_after`, kills the decode worker holding most of them when
     every stream has that many tokens, and times its replacement."""
     runs = {r.request_id: Run() for r in reqs}
@@ -112,7 +114,8 @@ async def run_streams(client: PDClient, reqs: list[GenerationRequest], kill_afte
 
     tasks = asyncio.gather(*(consume(r) for r in reqs))
     killed_at = None
-    replaced_before = client.num_replaced
+    reps = client.replacements  # None: this scenario does not replace dead workers
+    replaced_before = reps.num_replaced if reps is not None else 0
     while not tasks.done():
         if kill_after is not None and killed_at is None and all(len(r.token_ids) >= kill_after for r in runs.values()):
             held: dict[str, int] = {}
@@ -120,17 +123,19 @@ async def run_streams(client: PDClient, reqs: list[GenerationRequest], kill_afte
                 if flight.decode is not None:
                     held[flight.decode] = held.get(flight.decode, 0) + 1
             victim = max(sorted(held), key=lambda n: held[n])
-            ray.kill(client.decodes[victim], no_restart=True)
-            killed_at = time.monotonic()  # the clock of `PDClient.replaced_at`
+            ray.kill(client.decodes[victim].actor, no_restart=True)  # type: ignore[attr-defined]
+            killed_at = time.monotonic()  # the clock of `Replacements.replaced_at`
             progress(f"  killed {victim} holding {held[victim]} of {len(reqs)} streams")
         await asyncio.sleep(0.005)
     await tasks
     if kill_after is not None and killed_at is None:
         raise RuntimeError("the kill never came: a stream ended (or failed) before every stream had "
                            f"{kill_after} tokens: {[(len(r.token_ids), r.error) for r in runs.values()]}")
-    await asyncio.gather(*client.replacing.values())  # one still starting when every stream had ended
-    replaced = killed_at is not None and client.num_replaced > replaced_before
-    return {"runs": runs, "replace_s": client.replaced_at - killed_at if replaced else None}
+    if reps is None:
+        return {"runs": runs, "replace_s": None}
+    await asyncio.gather(*reps.replacing.values())  # one still starting when every stream had ended
+    replaced = killed_at is not None and reps.num_replaced > replaced_before
+    return {"runs": runs, "replace_s": reps.replaced_at - killed_at if replaced else None}
 
 
 async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode: int, replace_dead: bool,

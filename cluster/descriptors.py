@@ -2,7 +2,7 @@
 
 Mental model: `cluster/` never touches an engine, a tensor or a Ray handle. The data plane (and the
 simulator) describe a request by its size, owner and prompt block hashes (`RequestDesc`), and a
-worker by a periodic load report (`WorkerLoad`, carrying the step times it measured as
+worker by a periodic load report (`WorkerReport`, carrying the step times it measured as
 `StepSample`s and the prefix blocks it gained or lost since the last report), or by its load and,
 separately, numbered telemetry (`WorkerTelemetry`) relayed by any number of ingresses. The Ray integration
 only converts `actors/` types into these; nothing here imports a heavy dependency.
@@ -104,7 +104,7 @@ class WorkerTelemetry:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerLoad:
+class WorkerReport:
     """A worker's periodic report; it doubles as the heartbeat.
 
     Prefix holdings travel as deltas (`cached_added` / `cached_removed`, block hashes) or, when

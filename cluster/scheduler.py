@@ -14,12 +14,14 @@ injected clock, so the Ray actor, the tests and the simulator all run this very 
 
 Per decision the work is O(workers) plus O(log n) heap operations on n requests in flight; no
 call scans the in-flight set. Placement and recovery logic live in `placement.py` and
-`journal.py`; per-request charges in `bookings.py`; this file only sequences them.
+`journal.py`; per-request charges in `bookings.py`; re-placement, preemption and queue timeouts
+in `recovery.py` (`RecoveryPlanner`); snapshots, statistics and integrity checks in
+`snapshots.py` (`Snapshots`, `DecodeCapacity`). This file builds those parts, hands each the
+collaborators it works on, and only sequences them.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
@@ -32,18 +34,19 @@ from cluster.bookings import Booking, Ledger
 from cluster.clock import Clock
 from cluster.config import SchedulerConfig
 from cluster.cost_model import CostModelBank
-from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName, WorkerTelemetry
+from cluster.descriptors import RequestDesc, RequestId, WorkerReport, WorkerName, WorkerTelemetry
 from cluster.fairness import FairShareClock
 from cluster.journal import Journal, JournalEntry, Phase
-from cluster.ordering import SlackQueue, new_request_urgency_s, priority_key
+from cluster.ordering import new_request_urgency_s, priority_key
 from cluster.placement import Fit, Placement, PlacementKind, PlacementPolicy
 from cluster.prefix_index import POOL, PrefixIndex
+from cluster.recovery import RecoveryPlanner
+from cluster.snapshots import DecodeCapacity, Snapshots
 from cluster.stats import LatencyWindow, SchedulerStats
 from cluster.telemetry import TelemetryInbox
 from cluster.tenants import Tenant, TenantRegistry
 from cluster.timeline import Stage, TimelineStore
 from cluster.workers import WorkerRegistry
-from cluster import recovery, snapshots
 
 
 @dataclass(slots=True)
@@ -76,9 +79,17 @@ class GlobalScheduler:
         self.timelines = TimelineStore(cfg.timeline_max_finished, cfg.timeline_max_tokens)
         self.latency = LatencyWindow(cfg.latency_window)
         self.counters = SchedulerStats()
-        self._seq = itertools.count()
-        self._expiry: list[tuple[float, int, RequestId]] = []
-        self._preempted: SlackQueue[RequestId] = SlackQueue()
+        self._seq = itertools.count()  # tie-breaks for priorities, timers and the resumption queue
+        self.capacity = DecodeCapacity(cfg.placement, self.workers, self.models)
+        self.recovery = RecoveryPlanner(
+            cfg=cfg.placement, journal=self.journal, ledger=self.ledger, workers=self.workers, models=self.models,
+            tenants=self.tenants, policy=self.policy, timelines=self.timelines, counters=self.counters,
+            seq=self._seq, place=self._place, refuse=self._refuse, chunk_tokens=self.capacity.local_chunk_tokens)
+        self.snapshots = Snapshots(
+            cfg=cfg.placement, clock=clock, journal=self.journal, ledger=self.ledger, workers=self.workers,
+            models=self.models, index=self.index, tenants=self.tenants, fairness=self.fairness,
+            timelines=self.timelines, latency=self.latency, counters=self.counters, capacity=self.capacity,
+            recovery=self.recovery)
 
     def submit(self, desc: RequestDesc, *, prompt_token_ids: Sequence[int] | None = None,
                sampling: dict[str, Any] | None = None, seed: int | None = None) -> Placement | Refusal:
@@ -150,7 +161,7 @@ class GlobalScheduler:
         prio = priority_key(entry.slo_class, urgency, lead, next(self._seq))
         victims = tuple(decode_choice.worker.victims.take(decode_choice.num_preempt))
         for victim in victims:
-            recovery.preempt(self, victim, now)
+            self.recovery.preempt(victim, now)
         pw, dw = prefill_choice.worker, decode_choice.worker
         phase = Phase.QUEUED if kind is not PlacementKind.REDIRECT else entry.phase
         queue_deadline = now + tenant.cfg.queue_timeout_s
@@ -168,7 +179,7 @@ class GlobalScheduler:
             tl.stamp(Stage.ADMITTED, now)
         self.journal.move(rid, pw.name, dw.name, phase)
         if phase is Phase.QUEUED:
-            heapq.heappush(self._expiry, (queue_deadline, next(self._seq), rid))
+            self.recovery.arm_queue_timeout(rid, queue_deadline)
         self.counters.num_placed += kind is PlacementKind.NEW
         return Placement(
             request_id=rid, prefill_worker=pw.name, decode_worker=dw.name, priority=prio, kind=kind,
@@ -181,9 +192,14 @@ class GlobalScheduler:
     def _count_refusal(self, r: Refusal) -> None:
         self.counters.num_refused[r.reason.value] = self.counters.num_refused.get(r.reason.value, 0) + 1
 
+    def _refuse(self, r: Refusal, now: float) -> None:
+        """An admitted request could not be placed again, or waited too long: it leaves, refused."""
+        self._count_refusal(r)
+        self._leave(r.request_id, now, None, completed=False, stage=Stage.REFUSED)
+
     # ---- events from the data plane ---------------------------------------------------------
 
-    def on_report(self, load: WorkerLoad) -> None:
+    def on_report(self, load: WorkerReport) -> None:
         """A worker's load report (also its heartbeat)."""
         self.workers.upsert(load, self.clock.now())
         if load.steps:
@@ -281,7 +297,7 @@ class GlobalScheduler:
         if entry is None:
             return
         self.ledger.close(rid)
-        self._preempted.remove(rid)
+        self.recovery.drop_preempted(rid)
         n_out = entry.num_output_tokens if num_output_tokens is None else num_output_tokens
         tenant = self.tenants.get(entry.desc.tenant, t)
         if tenant is not None:
@@ -294,7 +310,13 @@ class GlobalScheduler:
         """Forget a dead worker and re-place every request that lost state with it, most urgent
         remaining SLO budget first. Requests that cannot be placed anywhere are refused (and
         released)."""
-        return recovery.recover_worker(self, name, self.clock.now())
+        now = self.clock.now()
+        lost = self.recovery.plan(name, now)
+        self.counters.num_workers_lost += self.workers.mark_dead(name) is not None
+        self.index.drop(name)
+        self.models.drop(name)
+        self.telemetry.drop(name)
+        return [self.recovery.recover(entry, now, recompute) for entry, recompute in lost]
 
     def poll(self) -> PollResult:
         """Periodic housekeeping: declare silent workers dead, expire requests queued too long,
@@ -304,18 +326,18 @@ class GlobalScheduler:
         self._refresh_reference_rate()
         for name in sorted(self.workers.stale(now, self.cfg.heartbeat_timeout_s)):
             result.recovered.extend(self.on_worker_dead(name))
-        result.expired.extend(recovery.expire_queued(self, now))
-        result.resumed.extend(recovery.resume_preempted(self, now))
+        result.expired.extend(self.recovery.expire(now))
+        result.resumed.extend(self.recovery.resume(now))
         return result
 
     # ---- introspection, snapshot, rebuild ----------------------------------------------------
 
     def decode_batch_cap(self, name: WorkerName) -> int:
-        return snapshots.decode_batch_cap(self, name)
+        return self.capacity.batch_cap(name)
 
     def local_chunk_tokens(self, name: WorkerName, num_rows: int, num_context_tokens: int,
                            num_cached_tokens: int) -> int:
-        return snapshots.local_chunk_tokens(self, name, num_rows, num_context_tokens, num_cached_tokens)
+        return self.capacity.local_chunk_tokens(name, num_rows, num_context_tokens, num_cached_tokens)
 
     def timeline(self, rid: RequestId) -> dict[str, Any] | None:
         return self.timelines.get(rid)
@@ -324,18 +346,22 @@ class GlobalScheduler:
         return self.timelines.recent(limit)
 
     def stats(self) -> SchedulerStats:
-        return snapshots.stats(self)
+        return self.snapshots.stats()
 
     def snapshot(self) -> dict[str, Any]:
-        return snapshots.snapshot(self)
+        return self.snapshots.snapshot()
 
     @classmethod
     def rebuild(cls, cfg: SchedulerConfig, clock: Clock, in_flight: Sequence[JournalEntry],
-                loads: Sequence[WorkerLoad], fairness: dict[str, Any] | None = None,
+                loads: Sequence[WorkerReport], fairness: dict[str, Any] | None = None,
                 ) -> tuple["GlobalScheduler", list[Placement | Refusal]]:
         """A fresh scheduler rebuilt after a restart from the workers' reports and the ingress's
         in-flight list; requests whose workers did not report are re-placed (the returned list)."""
-        return snapshots.rebuild(cls(cfg, clock), in_flight, loads, fairness)
+        sched = cls(cfg, clock)
+        now = clock.now()
+        for load in loads:
+            sched.on_report(load)
+        return sched, sched.snapshots.restore(in_flight, fairness, now)
 
     def check_integrity(self) -> None:
-        snapshots.check_integrity(self)
+        self.snapshots.check_integrity()

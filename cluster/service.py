@@ -36,11 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster import recovery
 from cluster.admission import Refusal, RefusalReason
 from cluster.bookings import Booking
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestDesc, RequestId, WorkerLoad, WorkerName, WorkerTelemetry
+from cluster.descriptors import RequestDesc, RequestId, WorkerReport, WorkerName, WorkerTelemetry
 from cluster.flights import EventKind, FlightEvent, FlightState, ReportAck
 from cluster.journal import JournalEntry, Phase
 from cluster.ordering import latest_start_s
@@ -117,7 +116,7 @@ class SchedulerService:
         self.counters.num_notices += 1
 
     def report(self, client: str, batches: Sequence[tuple[int, Sequence[FlightEvent]]],
-               loads: Sequence[WorkerLoad] = (), telemetry: Sequence[WorkerTelemetry] = (),
+               loads: Sequence[WorkerReport] = (), telemetry: Sequence[WorkerTelemetry] = (),
                delivered: tuple[str, int] | None = None) -> ReportAck:
         """Heartbeats, worker telemetry and events of one ingress. Batches at or below the last
         applied sequence number were applied before (a re-send after a timeout) and are skipped.
@@ -189,7 +188,7 @@ class SchedulerService:
             assert event.state is not None
             self.adopt(event.state)
 
-    def rebuild(self, client: str, states: Sequence[FlightState], loads: Sequence[WorkerLoad] = ()) -> int:
+    def rebuild(self, client: str, states: Sequence[FlightState], loads: Sequence[WorkerReport] = ()) -> int:
         """Adopts `client`'s in-flight requests the scheduler does not know (after a restart:
         all of them). Returns how many were adopted."""
         for load in loads:
@@ -225,11 +224,11 @@ class SchedulerService:
                     order.append(out.request_id)
         rest = [e for st in states if st.request_id not in results
                 and (e := self.sched.journal.get(st.request_id)) is not None]
-        rest.sort(key=lambda e: (e.remaining_budget_s(now) - recovery.recompute_s(self.sched, e),
+        rest.sort(key=lambda e: (e.remaining_budget_s(now) - self.sched.recovery.recompute_s(e),
                                  e.desc.arrival_time, e.request_id))
         for entry in rest:
             self.sched.ledger.close(entry.request_id)
-            results[entry.request_id] = recovery.recover_entry(self.sched, entry, now, recompute=True)
+            results[entry.request_id] = self.sched.recovery.recover(entry, now, recompute=True)
             order.append(entry.request_id)
         placed = set(order)
         order.extend(r for r in results if r not in placed)  # refusals of unknown tenants last
@@ -256,7 +255,7 @@ class SchedulerService:
             self.counters.num_adopted += 1
         else:
             s.ledger.close(rid)
-            s._preempted.remove(rid)  # the data plane runs it: it is not waiting for resumption
+            s.recovery.drop_preempted(rid)  # the data plane runs it: it is not waiting for resumption
         # Stopped by the ingress itself (an interactive request found no row), not rebuilt.
         newly_preempted = known and st.phase is Phase.PREEMPTED and entry.phase is not Phase.PREEMPTED
         s.journal.move(rid, st.prefill_worker, st.decode_worker, st.phase)
@@ -270,7 +269,7 @@ class SchedulerService:
             s.counters.num_preempted += 1
             s.timelines.stamp(rid, Stage.PREEMPTED, now)
         if st.phase is Phase.PREEMPTED:
-            recovery.queue_preempted(s, entry, now)
+            s.recovery.queue_preempted(entry, now)
             return entry
         self._charge(entry, tenant.expected_output_tokens(st.desc.max_tokens, self.cfg.placement.default_output_tokens),
                      tenant.cfg.queue_timeout_s, now)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cluster.cost_model import CostModelBank, StepTimeModel
-from cluster.descriptors import RequestId, StepSample, WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import RequestId, StepSample, WorkerKind, WorkerReport, WorkerName
 from cluster.ordering import MinTracker, VictimQueue
 
 
@@ -52,7 +52,7 @@ class WorkerView:
     tpot_targets: MinTracker = field(default_factory=MinTracker)
     victims: VictimQueue[RequestId] = field(default_factory=VictimQueue)
 
-    def apply_report(self, load: WorkerLoad, now: float) -> None:
+    def apply_report(self, load: WorkerReport, now: float) -> None:
         self.healthy = load.healthy
         self.last_report_s = now
         self.block_size = load.block_size
@@ -113,7 +113,7 @@ class WorkerRegistry:
     def get(self, name: WorkerName) -> WorkerView | None:
         return self._views.get(name)
 
-    def upsert(self, load: WorkerLoad, now: float) -> WorkerView:
+    def upsert(self, load: WorkerReport, now: float) -> WorkerView:
         view = self._views.get(load.name)
         changed = view is None or view.healthy != load.healthy or view.kind != load.kind
         if view is None:

@@ -26,14 +26,15 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
-from actors.engine.tokenizer import Tokenizer
 from actors.engine.fetch import resolve_model
+from actors.engine.tokenizer import Tokenizer
 from actors.ray_actors import PDDeployment, cluster_gpus, start_colocated, start_pd
 from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
 from cluster.actor import start_scheduler
 from cluster.descriptors import SloClass
-from cluster.link import SchedulerPlacement, slo_class_override
-from deploy.cluster_backend import ClusterBackend, LocalOnly
+from cluster.router.link import SchedulerLink, slo_class_override
+from cluster.router.ray_handles import router_for
+from deploy.cluster_backend import ClusterBackend
 from deploy.config import AppConfig, ConfigError, load_config
 from deploy.dashboard.monitoring import Monitoring
 from deploy.local import bind_replica_grpc_to_loopback
@@ -65,7 +66,7 @@ class FerryIngress:
         self.cfg = AppConfig.model_validate(config)
         self.scheduler_cfg = SchedulerSection.model_validate(scheduler or {})
         self._scheduler: Any = None
-        self._placement: SchedulerPlacement | None = None
+        self._link: SchedulerLink | None = None
         self._semantic_actor: Any = None
         self.semantic: SemanticGlue | None = None
         cfg = self.cfg
@@ -82,8 +83,7 @@ class FerryIngress:
         if cfg.mode == "colocated":
             self._deployment = start_colocated(worker_cfg, num_workers=cfg.num_decode, torch_threads=threads,
                                                resources=resources)
-            client = self._deployment.client(cfg.to_client_config(), LocalOnly(),
-                                             replace_dead=cfg.replace_dead_workers)
+            router = router_for(self._deployment, cfg.to_router_config(), replace_dead=cfg.replace_dead_workers)
         else:
             self._deployment = start_pd(
                 worker_cfg, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
@@ -95,12 +95,12 @@ class FerryIngress:
                 name = self.scheduler_cfg.actor_name
                 self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name),
                                                lambda old: ray.kill(old, no_restart=True))
-                self._placement = SchedulerPlacement(
+                self._link = SchedulerLink(
                     self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
-            client = self._deployment.client(cfg.to_client_config(), self._placement,
-                                             replace_dead=cfg.replace_dead_workers)
+            router = router_for(self._deployment, cfg.to_router_config(), control=self._link,
+                                replace_dead=cfg.replace_dead_workers)
         max_len = cfg.engine.max_model_len or _context_of(path)
-        self.backend = ClusterBackend(client, self.tokenizer, _model_name(cfg.model), max_len)
+        self.backend = ClusterBackend(router, self.tokenizer, _model_name(cfg.model), max_len)
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
         self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic)
         logger.info("ferry ingress up: %s mode, model %s, workers on %s (%s each)", cfg.mode, cfg.model,
@@ -127,8 +127,8 @@ class FerryIngress:
         return await self._drain_state.drain(timeout_s)
 
     def __del__(self) -> None:
-        if self._placement is not None:
-            self._placement.close()
+        if self._link is not None:
+            self._link.close()
         if self._scheduler is not None:
             ray.kill(self._scheduler, no_restart=True)
         if self._deployment is not None:

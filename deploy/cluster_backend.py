@@ -2,9 +2,9 @@
 
 Mental model: the ingress owns HTTP; this turns one validated request into a `GenerationRequest`
 (seed resolved, tenant salt set) and streams the decode actor's `RequestOutput` deltas back through
-`PDClient`, which owns placement, deadlines, recovery and aborts. Closing the stream early aborts
-the request on its worker (PDClient fires the abort without awaiting, as the Backend contract
-requires). The scheduler's refusals reach HTTP here: over budget or SLO as `Refused` (429 with
+the `Router` (cluster/router/), which owns placement, deadlines, recovery and aborts. Closing the
+stream early aborts the request on its worker (the router fires the abort without awaiting, as the
+Backend contract requires). The scheduler's refusals reach HTTP here: over budget or SLO as `Refused` (429 with
 Retry-After), an unknown tenant 403, a request too large 413, no healthy worker 503. `/health`
 reports each worker's load, memory and KV plan (how its pool was sized: device, blocks, bytes,
 explicit or planned, and what capped it).
@@ -15,15 +15,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
+from actors.errors import NoCapacity
 from actors.messages import GenerationRequest, WorkerLoad
-from actors.pd_client import NoCapacity, PDClient
-from actors.placement import NoWorkers, PlacementChoice, PlacementRefused
+from cluster.router.choice import NoWorkers, PlacementRefused
+from cluster.router.client import Router
 from deploy.openai.backend import Refused
 from deploy.openai.errors import ApiError
 from deploy.openai.timeline import TimelineRecorder
@@ -33,19 +34,8 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0
 
 
-class LocalOnly:
-    """Placement for colocated workers: no handoff, least active first."""
-
-    def place(self, req: GenerationRequest, prefills: Sequence[WorkerLoad],
-              decodes: Sequence[WorkerLoad]) -> PlacementChoice:
-        healthy = sorted((w for w in decodes if w.healthy), key=lambda w: (w.num_active, w.name))
-        if not healthy:
-            raise NoWorkers("no healthy colocated worker")
-        return PlacementChoice(None, tuple(w.name for w in healthy))
-
-
 class ClusterBackend:
-    def __init__(self, client: PDClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+    def __init__(self, client: Router, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  *, timeline_capacity: int = 1024) -> None:
         self.client = client
         self._tokenizer = tokenizer
@@ -107,16 +97,17 @@ class ClusterBackend:
                           "rss_mib": w.rss_mib, "kv_plan": w.kv_plan_report()}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
-        room = getattr(self.client, "room", None)
-        if room is not None:  # requests waiting for a decode row now, and how many ever had to
-            report["row_queue"] = {"waiting": len(room), "num_queued": room.num_queued,
+        room = self.client.room  # requests waiting for a decode row now, and how many ever had to
+        report["row_queue"] = {"waiting": len(room), "num_queued": room.num_queued,
                                    "interactive_waiting": room.interactive_waiting()}
         down = sorted(name for name, w in workers.items() if not w["healthy"])
         if down:  # serving on the others (or not at all); dead ones are being replaced
-            report["degraded"] = {"down": down, "replacing": sorted(getattr(self.client, "replacing", {}))}
-        link = getattr(self.client.scheduled, "stats", None)
-        if link is not None:  # the scheduler actor is not on the request path: its state is detail only
-            report["scheduler"] = {"available": self.client.scheduled.available, **vars(link)}  # type: ignore[union-attr]
+            reps = self.client.replacements
+            report["degraded"] = {"down": down, "replacing": sorted(reps.replacing) if reps is not None else []}
+        control = self.client.control
+        stats = getattr(control, "stats", None)
+        if control is not None and stats is not None:  # not on the request path: its state is detail only
+            report["scheduler"] = {"available": control.available, **vars(stats)}
         return report
 
 

@@ -21,18 +21,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.engine.config import EngineConfig
 from actors.prefix_cache.store import PrefixCacheConfig
-from actors.worker_config import ClientConfig, WorkerConfig, WorkerResources, plan_worker_resources
+from actors.worker_config import WorkerConfig, WorkerResources, plan_worker_resources
+from cluster.router.config import RouterConfig
 from deploy.openai.config import ApiConfig
 from transfer.config import TransferConfig
 
 MIB = 1 << 20
 
 
-class _Section(BaseModel):
+class ConfigSection(BaseModel):
+    """Base of every section of the app config (deploy/scheduler_config.py's too): an unknown field is
+    an error naming it, and a validated section is frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineSection(_Section):
+class EngineSection(ConfigSection):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when the Ray cluster has GPUs (each worker then asks Ray for one, or "
                             "a fraction), else cpu; cuda asks for GPUs even before a GPU node is up")
@@ -67,7 +71,7 @@ class EngineSection(_Section):
                                 "(cpu_cores shared), or an equal split of them among the app's engines (split)")
 
 
-class TransferSection(_Section):
+class TransferSection(ConfigSection):
     kind: Literal["auto", "nixl", "cuda_ipc", "object_store"] = Field(
         "auto", description="auto: cuda_ipc between GPU workers of a one-node cluster, else nixl where it "
                             "imports (device staging when the KV is on a GPU), else the Ray object store")
@@ -79,7 +83,7 @@ class TransferSection(_Section):
     ucx_net_devices: str | None = Field("lo", description='"lo" keeps NIXL on loopback; a GPU cluster names its NICs')
 
 
-class PrefixCacheSection(_Section):
+class PrefixCacheSection(ConfigSection):
     num_stores: int = Field(1, ge=0, description="0 turns the prefix-cache pool off")
     dram_mib: int = Field(256, gt=0)
     disk_mib: int = Field(1024, ge=0)
@@ -87,7 +91,7 @@ class PrefixCacheSection(_Section):
     compression: Literal["none", "int8", "fp8"] = "none"
 
 
-class AppConfig(_Section):
+class AppConfig(ConfigSection):
     model: str = Field("smollm2", description="known name, .gguf file or HF folder")
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     num_prefill: int = Field(1, ge=1)
@@ -165,8 +169,8 @@ class AppConfig(_Section):
         return PrefixCacheConfig(dram_bytes=c.dram_mib * MIB, disk_bytes=max(c.disk_mib, 1) * MIB,
                                  disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0)
 
-    def to_client_config(self) -> ClientConfig:
-        return ClientConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
+    def to_router_config(self) -> RouterConfig:
+        return RouterConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
                             room_wait_s=self.room_wait_s)
 
 

@@ -39,7 +39,9 @@ class Unreachable(Exception):
 
 
 @dataclass(frozen=True)
-class WorkerLoad:
+class WorkerStatus:
+    """One worker's row of `ferry status`, as `/health` reports it (None: not reported)."""
+
     name: str
     kind: str
     healthy: bool | None
@@ -78,17 +80,17 @@ def fetch_health(url: str, api_key: str | None, timeout_s: float = HEALTH_TIMEOU
     return status, body
 
 
-def workers_of(health: dict[str, Any]) -> list[WorkerLoad]:
+def workers_of(health: dict[str, Any]) -> list[WorkerStatus]:
     """Per-worker loads: the cluster backend reports `workers`; the in-process engine backend
     reports one engine's counters at the top level."""
     if isinstance(health.get("workers"), dict):
-        return [WorkerLoad(name, str(w.get("kind", "?")), w.get("healthy"), w.get("running"), w.get("waiting"),
-                           w.get("free_blocks"), w.get("total_blocks"), w.get("rss_mib"), _plan(w.get("kv_plan")))
+        return [WorkerStatus(name, str(w.get("kind", "?")), w.get("healthy"), w.get("running"), w.get("waiting"),
+                             w.get("free_blocks"), w.get("total_blocks"), w.get("rss_mib"), _plan(w.get("kv_plan")))
                 for name, w in sorted(health["workers"].items())]
     if "num_running" in health:
-        return [WorkerLoad("engine", "colocated", health.get("healthy"), health.get("num_running"),
-                           health.get("num_waiting"), health.get("num_blocks_free"), health.get("num_blocks_total"),
-                           health.get("rss_mib"), _plan(health.get("kv_plan")))]
+        return [WorkerStatus("engine", "colocated", health.get("healthy"), health.get("num_running"),
+                             health.get("num_waiting"), health.get("num_blocks_free"), health.get("num_blocks_total"),
+                             health.get("rss_mib"), _plan(health.get("kv_plan")))]
     return []
 
 
@@ -111,7 +113,7 @@ def _table(rows: list[tuple[str, ...]], num_left: int) -> list[str]:
             for r in rows]
 
 
-def kv_plan_lines(workers: list[WorkerLoad]) -> list[str]:
+def kv_plan_lines(workers: list[WorkerStatus]) -> list[str]:
     """How each worker's KV pool was sized (the `kv_plan` of `/health`): device, blocks, GiB, the
     tokens it holds, and why that size: an explicit setting, or planned from the memory left after
     the weights and a profiled step (fraction x share of what was free), and what capped it. Nothing

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from cluster.admission import AdmissionConfig
 from cluster.config import SchedulerConfig
 from cluster.descriptors import TenantId
-from cluster.link import LinkConfig
+from cluster.router.link_config import LinkConfig
 from cluster.placement import PlacementConfig
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
+from deploy.config import ConfigSection
 from deploy.dashboard.provider import StaticSlos
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TenantSection(_Section):
+class TenantSection(ConfigSection):
     slo_class: Literal["interactive", "batch"] = "interactive"
     ttft_ms: float = Field(30_000.0, gt=0, description="interactive: P99 time to first token")
     tpot_ms: float = Field(1_000.0, gt=0, description="interactive: P99 mean time per output token")
@@ -49,7 +46,7 @@ class TenantSection(_Section):
                             queue_timeout_s=self.queue_timeout_s, shed_predicted_misses=self.on_predicted_miss == "shed")
 
 
-class SchedulerSection(_Section):
+class SchedulerSection(ConfigSection):
     enabled: bool = Field(True, description="false: place requests locally by load, no scheduler actor")
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
     default_tenant: TenantSection | None = Field(

@@ -60,7 +60,7 @@ class CudaIpcConfig:
 class _Link:
     """What a sender keeps per peer: its envelope, its mapped arena, idle connections."""
 
-    def __init__(self, env: wire.Envelope, mapping: MappedArena) -> None:
+    def __init__(self, env: wire.IpcEnvelope, mapping: MappedArena) -> None:
         self.env = env
         self.mapping = mapping
         self.idle: list[tuple[socket.socket, wire.FrameBuffer]] = []
@@ -125,7 +125,7 @@ class CudaIpcTransport:
                 arena.close()
                 raise
             self._receiver = new
-            self._envelope = wire.Envelope(self.name, self._incarnation, self.node, new.port, self.memory,
+            self._envelope = wire.IpcEnvelope(self.name, self._incarnation, self.node, new.port, self.memory,
                                            arena.size_bytes, arena.handle()).pack()
         if old is not None:
             self._close_receiver(old)
@@ -134,7 +134,7 @@ class CudaIpcTransport:
         return self._envelope
 
     def add_peer(self, metadata: bytes) -> str:
-        env = wire.Envelope.unpack(metadata)
+        env = wire.IpcEnvelope.unpack(metadata)
         if env.node != self.node:
             raise IncompatiblePeer(f"{env.name} is on node {env.node!r}, not {self.node!r}: cuda_ipc is for one node")
         if env.name == self.name:
@@ -223,19 +223,20 @@ class CudaIpcTransport:
         ok = False
         try:
             send_id, pending = next(self._send_ids), []  # type: ignore[var-annotated]
-            sock.sendall(b"".join(wire.shard_frame(wire.Kind.REQ, send_id, i, len(srcs), tag, n)
+            sock.sendall(b"".join(wire.shard_frame(wire.FrameKind.REQ, send_id, i, len(srcs), tag, n)
                                   for i, n in enumerate(sizes)))
             done = 0
             while done < len(srcs):
                 f = wire.read_frame(sock, frames, pending, deadline, peer)
-                if f.send_id != send_id or f.kind not in (wire.Kind.GRANT, wire.Kind.REFUSE) or f.shard >= len(srcs):
+                answers = (wire.FrameKind.GRANT, wire.FrameKind.REFUSE)
+                if f.send_id != send_id or f.kind not in answers or f.shard >= len(srcs):
                     raise PeerGone(f"{peer} answered out of turn ({f.kind.name} for send {f.send_id})")
-                if f.kind is wire.Kind.REFUSE:
+                if f.kind is wire.FrameKind.REFUSE:
                     raise ValueError(f"{peer} refused a shard of {sizes[f.shard]} bytes (room {f.value})")
                 if f.value + sizes[f.shard] > link.env.arena_bytes:
                     raise PeerGone(f"{peer} granted room outside its arena")
                 link.mapping.copy_in(f.value, srcs[f.shard])
-                sock.sendall(wire.shard_frame(wire.Kind.DONE, send_id, f.shard))
+                sock.sendall(wire.shard_frame(wire.FrameKind.DONE, send_id, f.shard))
                 done += 1
             ok = True
         except OSError as e:  # sendall to a receiver that died

@@ -158,14 +158,14 @@ class IpcReceiver:
             except ValueError as e:
                 self._drop(conn, f"malformed frame: {e}")
                 return
-            if f.kind is wire.Kind.HELLO:
+            if f.kind is wire.FrameKind.HELLO:
                 conn.peer = f.name
             elif conn.peer is None:
                 self._drop(conn, f"{f.kind.name} before HELLO")
                 return
-            elif f.kind is wire.Kind.REQ:
+            elif f.kind is wire.FrameKind.REQ:
                 self._pending.append(_Req(conn, f.send_id, f.shard, f.num_shards, f.tag, f.value))
-            elif f.kind is wire.Kind.DONE:
+            elif f.kind is wire.FrameKind.DONE:
                 g = conn.grants.pop((f.send_id, f.shard), None)
                 if g is None:
                     self._drop(conn, f"DONE for room it does not hold (send {f.send_id} shard {f.shard})")
@@ -184,7 +184,8 @@ class IpcReceiver:
                 continue
             if req.size > self.room.size_bytes:
                 self._pending.popleft()
-                self._say(req.conn, wire.shard_frame(wire.Kind.REFUSE, req.send_id, req.shard, value=self.room.size_bytes))
+                self._say(req.conn, wire.shard_frame(wire.FrameKind.REFUSE, req.send_id, req.shard,
+                                                     value=self.room.size_bytes))
                 continue
             offset = self.room.try_alloc(req.size)
             if offset is None:
@@ -193,7 +194,7 @@ class IpcReceiver:
             req.conn.grants[(req.send_id, req.shard)] = _Grant(offset, req.size, req.tag, req.num_shards,
                                                                time.monotonic())
             self._num_grants += 1
-            self._say(req.conn, wire.shard_frame(wire.Kind.GRANT, req.send_id, req.shard, value=offset))
+            self._say(req.conn, wire.shard_frame(wire.FrameKind.GRANT, req.send_id, req.shard, value=offset))
 
     def _say(self, conn: _Conn, frame: bytes) -> None:
         try:

@@ -29,7 +29,7 @@ _ENVELOPE = struct.Struct("<4sHBxQHQHHI")  # magic, version, memory kind, incarn
 
 
 @dataclass(frozen=True)
-class Envelope:
+class IpcEnvelope:
     """What `CudaIpcTransport.metadata()` publishes."""
 
     name: str
@@ -47,7 +47,7 @@ class Envelope:
         return head + name + node + self.handle
 
     @classmethod
-    def unpack(cls, data: bytes) -> "Envelope":
+    def unpack(cls, data: bytes) -> "IpcEnvelope":
         if len(data) < _ENVELOPE.size or bytes(data[:4]) != MAGIC:
             raise IncompatiblePeer("not cuda_ipc transport metadata (a peer of another transport kind?)")
         magic, version, memory, inc, port, size, name_len, node_len, handle_len = _ENVELOPE.unpack_from(data, 0)
@@ -62,7 +62,7 @@ class Envelope:
         return cls(name, inc, node, port, MEMORY_KINDS[memory], size, handle)
 
 
-class Kind(enum.IntEnum):
+class FrameKind(enum.IntEnum):
     HELLO = 1
     REQ = 2
     GRANT = 3
@@ -78,7 +78,7 @@ MAX_FRAME = 4096
 
 @dataclass(frozen=True)
 class Frame:
-    kind: Kind
+    kind: FrameKind
     send_id: int = 0
     shard: int = 0
     num_shards: int = 0
@@ -89,11 +89,12 @@ class Frame:
 
 
 def hello(name: str, incarnation: int) -> bytes:
-    body = _HELLO.pack(Kind.HELLO, incarnation) + name.encode()
+    body = _HELLO.pack(FrameKind.HELLO, incarnation) + name.encode()
     return _LEN.pack(len(body)) + body
 
 
-def shard_frame(kind: Kind, send_id: int, shard: int, num_shards: int = 0, tag: int = 0, value: int = 0) -> bytes:
+def shard_frame(kind: FrameKind, send_id: int, shard: int, num_shards: int = 0, tag: int = 0,
+                value: int = 0) -> bytes:
     return _LEN.pack(_SHARD.size) + _SHARD.pack(kind, send_id, shard, num_shards, tag, value)
 
 
@@ -101,8 +102,8 @@ def parse(body: bytes) -> Frame:
     """Raises ValueError on anything malformed."""
     if not body:
         raise ValueError("empty control frame")
-    kind = Kind(body[0])
-    if kind is Kind.HELLO:
+    kind = FrameKind(body[0])
+    if kind is FrameKind.HELLO:
         _, inc = _HELLO.unpack_from(body, 0)
         return Frame(kind, name=bytes(body[_HELLO.size :]).decode(), incarnation=inc)
     _, send_id, shard, n, tag, value = _SHARD.unpack(body)

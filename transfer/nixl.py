@@ -126,7 +126,7 @@ class NixlTransport:
         return self._ep.envelope
 
     def add_peer(self, metadata: bytes) -> str:
-        env = wire.Envelope.unpack(metadata)
+        env = wire.NixlEnvelope.unpack(metadata)
         self._call(self._ep.add, env, True)
         return env.name
 

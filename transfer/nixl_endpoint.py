@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any
 
 from transfer import nixl_wire as wire
-from transfer.nixl_records import Grant, Outgoing, Request
+from transfer.nixl_records import Grant, Outgoing, RoomRequest
 from transfer.staging import StagingArena
 from transfer.transport import PeerGone, TransferError, TransferTimeout
 
@@ -41,9 +41,9 @@ class NixlEndpoint:
         self.incarnation = incarnation
         self.probe_interval_s = probe_interval_s
         self.grant_ttl_s = grant_ttl_s
-        self.peers: dict[str, wire.Envelope] = {}
+        self.peers: dict[str, wire.NixlEnvelope] = {}
         self.sends: dict[int, Outgoing] = {}
-        self.pending: deque[Request] = deque()
+        self.pending: deque[RoomRequest] = deque()
         self.grants: dict[tuple[str, int, int], Grant] = {}
         # (handles NIXL would not release yet, send staging offset they still use)
         self.zombies: list[tuple[list[Any], int]] = []
@@ -65,7 +65,7 @@ class NixlEndpoint:
         self.recv_arena = StagingArena(recv_bytes, self.staging_device)
         self._reg = self.agent.register_memory(staging_regions(self.send_arena, self.recv_arena),
                                                self.send_arena.mem_type)
-        self.envelope = wire.Envelope(
+        self.envelope = wire.NixlEnvelope(
             self.name, self.incarnation, self.recv_arena.base_addr, self.recv_arena.size_bytes,
             self.agent.get_agent_metadata(), self.recv_arena.dev_id,
         ).pack()
@@ -75,7 +75,7 @@ class NixlEndpoint:
             self.agent.deregister_memory(self._reg)
             self._reg = None
 
-    def add(self, env: wire.Envelope, say_hello: bool) -> None:
+    def add(self, env: wire.NixlEnvelope, say_hello: bool) -> None:
         if env.name == self.name:
             raise ValueError(f"{self.name} cannot add itself as a peer")
         old = self.peers.get(env.name)
@@ -124,7 +124,7 @@ class NixlEndpoint:
             op.last_progress = now
             self.sends[op.send_id] = op
             for shard, size in enumerate(op.sizes):
-                self.agent.send_notif(op.peer, wire.shard_msg(wire.Kind.REQ, op.send_id, shard, size))
+                self.agent.send_notif(op.peer, wire.shard_msg(wire.MessageKind.REQ, op.send_id, shard, size))
         except (TransferError, ValueError) as e:
             op.finish(e)
             self.cleanup(op)
@@ -249,25 +249,25 @@ class NixlEndpoint:
         except ValueError as e:
             logger.warning("%s: dropping a malformed message from %s: %s", self.name, peer, e)
             return
-        if m.kind is wire.Kind.HELLO:
+        if m.kind is wire.MessageKind.HELLO:
             try:
-                self.add(wire.Envelope.unpack(m.envelope), say_hello=False)
+                self.add(wire.NixlEnvelope.unpack(m.envelope), say_hello=False)
             except Exception as e:
                 logger.warning("%s: HELLO from %s refused: %s", self.name, peer, e)
-        elif m.kind is wire.Kind.REQ:
+        elif m.kind is wire.MessageKind.REQ:
             if peer in self.peers:
-                self.pending.append(Request(peer, m.send_id, m.shard, m.value))
+                self.pending.append(RoomRequest(peer, m.send_id, m.shard, m.value))
             else:
                 logger.warning("%s: REQ from %s, which never said HELLO; ignored", self.name, peer)
-        elif m.kind in (wire.Kind.GRANT, wire.Kind.REFUSE):
+        elif m.kind in (wire.MessageKind.GRANT, wire.MessageKind.REFUSE):
             op = self.sends.get(m.send_id)
             if op is not None and op.peer == peer and not op.finished.is_set():
-                if m.kind is wire.Kind.GRANT:
+                if m.kind is wire.MessageKind.GRANT:
                     op.granted[m.shard] = m.value
                     op.last_progress = now
                 else:
                     op.finish(ValueError(f"{peer} refused a shard of {op.sizes[m.shard]} bytes (room {m.value})"))
-        elif m.kind is wire.Kind.DATA:
+        elif m.kind is wire.MessageKind.DATA:
             key = (peer, m.send_id, m.shard)
             g = self.grants.get(key)
             if g is None or (g.offset, g.size) != (m.value, m.size) or g.received + m.segment > g.size:
@@ -280,7 +280,7 @@ class NixlEndpoint:
             if g.received == g.size:  # every segment is in: hand the shard out
                 del self.grants[key]
                 self.inbox.put((peer, m.tag, m.shard, m.num_shards, g.offset, g.size))
-        elif m.kind is wire.Kind.CANCEL:
+        elif m.kind is wire.MessageKind.CANCEL:
             self.pending = deque(r for r in self.pending if (r.peer, r.send_id) != (peer, m.send_id))
             self._reclaim([g for g in self.grants.values() if (g.peer, g.send_id) == (peer, m.send_id)])
 
@@ -291,7 +291,7 @@ class NixlEndpoint:
             req = self.pending[0]
             if req.size > self.recv_arena.size_bytes:
                 self.pending.popleft()
-                msg = wire.shard_msg(wire.Kind.REFUSE, req.send_id, req.shard, self.recv_arena.size_bytes)
+                msg = wire.shard_msg(wire.MessageKind.REFUSE, req.send_id, req.shard, self.recv_arena.size_bytes)
             else:
                 offset = self.recv_arena.try_alloc(req.size)
                 if offset is None:
@@ -299,7 +299,7 @@ class NixlEndpoint:
                 self.pending.popleft()
                 grant = Grant(req.peer, req.send_id, req.shard, offset, req.size, now)
                 self.grants[(req.peer, req.send_id, req.shard)] = grant
-                msg = wire.shard_msg(wire.Kind.GRANT, req.send_id, req.shard, offset)
+                msg = wire.shard_msg(wire.MessageKind.GRANT, req.send_id, req.shard, offset)
             busy = True
             try:
                 self.agent.send_notif(req.peer, msg)

@@ -45,7 +45,7 @@ class Outgoing:
 
 
 @dataclass(frozen=True)
-class Request:  # a REQ waiting for receive room
+class RoomRequest:  # a REQ waiting for receive room
     peer: str
     send_id: int
     shard: int

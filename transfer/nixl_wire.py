@@ -28,7 +28,7 @@ _ENVELOPE = struct.Struct("<4sHHQQQHI")
 
 
 @dataclass(frozen=True)
-class Envelope:
+class NixlEnvelope:
     """What `NixlTransport.metadata()` publishes: who we are, where our receive staging lives, and
     the NIXL agent metadata a peer loads with `add_remote_agent`."""
 
@@ -56,7 +56,7 @@ class Envelope:
         return head + name + self.agent_metadata
 
     @classmethod
-    def unpack(cls, data: bytes) -> "Envelope":
+    def unpack(cls, data: bytes) -> "NixlEnvelope":
         if len(data) < _ENVELOPE.size:
             raise IncompatiblePeer(f"{len(data)} bytes is too short for NIXL peer metadata")
         magic, version, where, inc, base, size, name_len, md_len = _ENVELOPE.unpack_from(data, 0)
@@ -69,7 +69,7 @@ class Envelope:
         return cls(name, inc, base, size, bytes(data[at + name_len :]), None if where == 0 else where - 1)
 
 
-class Kind(enum.IntEnum):
+class MessageKind(enum.IntEnum):
     HELLO = 1
     REQ = 2
     GRANT = 3
@@ -86,7 +86,7 @@ _CANCEL = struct.Struct("<BQ")
 
 @dataclass(frozen=True)
 class Message:
-    kind: Kind
+    kind: MessageKind
     send_id: int = 0
     shard: int = 0
     value: int = 0  # REQ: size; GRANT: offset; REFUSE: the receiver's capacity
@@ -98,36 +98,36 @@ class Message:
 
 
 def hello(envelope: bytes) -> bytes:
-    return bytes([Kind.HELLO]) + envelope
+    return bytes([MessageKind.HELLO]) + envelope
 
 
-def shard_msg(kind: Kind, send_id: int, shard: int, value: int) -> bytes:
+def shard_msg(kind: MessageKind, send_id: int, shard: int, value: int) -> bytes:
     return _SHARD_MSG.pack(kind, send_id, shard, value)
 
 
 def data(send_id: int, shard: int, num_shards: int, tag: int, offset: int, size: int, segment: int) -> bytes:
-    return _DATA.pack(Kind.DATA, send_id, shard, num_shards, tag, offset, size, segment)
+    return _DATA.pack(MessageKind.DATA, send_id, shard, num_shards, tag, offset, size, segment)
 
 
 def cancel(send_id: int) -> bytes:
-    return _CANCEL.pack(Kind.CANCEL, send_id)
+    return _CANCEL.pack(MessageKind.CANCEL, send_id)
 
 
-PING = bytes([Kind.PING])
+PING = bytes([MessageKind.PING])
 
 
 def parse(msg: bytes) -> Message:
     """Raises ValueError on anything malformed (the caller logs and drops it)."""
     if not msg:
         raise ValueError("empty control message")
-    kind = Kind(msg[0])
-    if kind is Kind.HELLO:
+    kind = MessageKind(msg[0])
+    if kind is MessageKind.HELLO:
         return Message(kind, envelope=bytes(msg[1:]))
-    if kind is Kind.PING:
+    if kind is MessageKind.PING:
         return Message(kind)
-    if kind is Kind.CANCEL:
+    if kind is MessageKind.CANCEL:
         return Message(kind, send_id=_CANCEL.unpack(msg)[1])
-    if kind is Kind.DATA:
+    if kind is MessageKind.DATA:
         _, send_id, shard, n, tag, offset, size, segment = _DATA.unpack(msg)
         return Message(kind, send_id, shard, offset, num_shards=n, tag=tag, size=size, segment=segment)
     _, send_id, shard, value = _SHARD_MSG.unpack(msg)

@@ -18,14 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from actors.engine.engine import Engine
+from actors.errors import EngineDead
+from actors.engine.options import RequestOptions
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDead(RuntimeError):
-    """The stepping thread crashed; the engine serves nothing until restarted."""
 
 
 class EngineDeadSignal(Exception):
@@ -59,16 +57,16 @@ class AsyncEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        **add_kwargs: Any,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs until it finishes. Bad input raises before the first
-        yield. `add_kwargs` go to `Engine.add_request` (extra_keys, seed, output_token_ids, ...)."""
+        yield. `params` and `options` go to `Engine.add_request`."""
         self._check_alive()
         loop = asyncio.get_running_loop()
 
         def add() -> asyncio.Queue[RequestOutput | BaseException]:
             with self._lock:
-                self.engine.add_request(request_id, prompt, params, **add_kwargs)
+                self.engine.add_request(request_id, prompt, params, options)
                 return self._open(request_id, loop)
 
         try:

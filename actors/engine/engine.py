@@ -1,9 +1,10 @@
 """The single-process inference engine: requests in, streamed token/text deltas out.
 
-`add_request` validates and queues; `step` runs one scheduler step (one forward over a continuous
-batch of prefill chunks and decodes), samples, applies stop conditions and returns one
-`RequestOutput` per request that made progress; `abort` drops a request and frees its blocks at
-once. The engine is not thread-safe: `AsyncEngine` drives it from one thread.
+`add_request` validates (`RequestLimits`) and queues a request with its `RequestOptions`; `step`
+runs one scheduler step (one forward over a continuous batch of prefill chunks and decodes),
+samples, applies stop conditions and returns one `RequestOutput` per request that made progress;
+`abort` drops a request and frees its blocks at once. The engine is not thread-safe: `AsyncEngine`
+drives it from one thread.
 """
 
 from __future__ import annotations
@@ -20,19 +21,15 @@ import torch
 
 from actors.engine.block_hash import BlockHash
 from actors.engine.config import EngineConfig, ModelConfig, parse_dtype
-from actors.engine.errors import (
-    ContextLengthExceeded,
-    DuplicateRequestId,
-    EmptyPrompt,
-    InvalidSamplingParams,
-    TokenOutOfVocab,
-)
+from actors.engine.errors import DuplicateRequestId, EmptyPrompt
 from actors.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from actors.engine.device import resolve_device
 from actors.engine.kv_cache_manager import KVCacheManager
+from actors.engine.limits import RequestLimits
 from actors.engine.memory import KVPlan, plan_kv_cache
 from actors.engine.model import CausalLM
 from actors.engine.model_runner import ModelRunner, SeqChunk
+from actors.engine.options import RequestOptions
 from actors.engine.output import EngineStats, OutputProcessor, RequestOutput, StepRecord
 from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import Sampler, SamplingParams, SamplingState
@@ -70,6 +67,7 @@ class Engine:
         logger.info("%s", self.kv_plan.describe())
         num_blocks = self.num_blocks = self.kv_plan.num_blocks
         self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
+        self.limits = RequestLimits(model.cfg.vocab_size, self.max_model_len, num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg, self.kv)
         use_graphs = self.device.type == "cuda" and not self.cfg.enforce_eager and not model.cfg.is_moe
         self.runner = ModelRunner(model, num_blocks, self.cfg.block_size, self.cfg.kv_dtype, pad_block=use_graphs)
@@ -106,48 +104,26 @@ class Engine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        *,
-        extra_keys: tuple[object, ...] = (),
-        arrival_time: float | None = None,
-        output_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        hold_kv: bool = False,
-        num_shared_prefix_tokens: int = 0,
-        prefill_only: bool = False,
-        max_chunk_tokens: int | None = None,
-        priority_rank: int = 0,
+        options: RequestOptions | None = None,
     ) -> Request:
         """Validates and queues a request. `prompt` is text (tokenized with the model's tokenizer)
-        or token ids. `extra_keys` go into every block hash (e.g. a tenant's cache salt).
-
-        Resuming elsewhere (recovery, recompute): pass the tokens already streamed as
-        `output_token_ids` and the journaled `seed`; the request continues exactly where it was.
-        `hold_kv`: when the request finishes its blocks stay allocated until `release_kv` (a
-        prefill worker ships them first). `prefill_only`: compute the prompt's KV, sample
-        nothing, finish as "prefilled" with the KV held (a prefill worker's job).
-        `max_chunk_tokens`: in steps that also decode other requests, compute at most this many of
-        its prompt tokens, however much of the step budget is left, and no more than that with the
-        other capped prompts of the step together (a decode worker prefilling prompts between its
-        rows' decode steps). `priority_rank` (0 interactive, 1 batch): smaller ranks wait less."""
-        if max_chunk_tokens is not None and max_chunk_tokens < 1:
-            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
-        req = self._new_request(request_id, prompt, params, extra_keys, output_token_ids, seed,
-                                num_shared_prefix_tokens)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        req.hold_kv = hold_kv or prefill_only
-        req.prefill_only = prefill_only
-        req.max_chunk_tokens = max_chunk_tokens
-        req.priority_rank = priority_rank
+        or token ids. `options` (salt, resume point, KV hold, chunk cap, priority): see
+        `RequestOptions`; None is a fresh interactive request."""
+        options = options or RequestOptions()
+        req = self._new_request(request_id, prompt, params, options)
+        if options.arrival_time is not None:
+            req.arrival_time = options.arrival_time
+        req.hold_kv = options.holds_kv
+        req.prefill_only = options.prefill_only
+        req.max_chunk_tokens = options.max_chunk_tokens
+        req.priority_rank = options.priority_rank
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)
         return req
 
     def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-        extra_keys: tuple[object, ...], output_token_ids: Sequence[int], seed: int | None,
-        num_shared_prefix_tokens: int = 0,
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None, options: RequestOptions,
     ) -> Request:
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self._reserved or request_id in self._held:
@@ -158,10 +134,9 @@ class Engine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        self._validate(token_ids + [int(t) for t in output_token_ids], params)
-        if len(output_token_ids) >= params.max_tokens:
-            raise InvalidSamplingParams(
-                f"{len(output_token_ids)} tokens already generated; max_tokens={params.max_tokens} leaves none to do")
+        output_token_ids = options.output_token_ids
+        self.limits.check(token_ids + list(output_token_ids), params, len(output_token_ids))
+        seed = options.seed
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
@@ -169,11 +144,11 @@ class Engine:
             prompt_token_ids=token_ids,
             sampling=SamplingState(params=params, seed=seed, prompt_token_ids=token_ids, output_token_ids=[]),
             block_size=self.cfg.block_size,
-            extra_keys=extra_keys,
-            num_shared_prefix_tokens=num_shared_prefix_tokens,
+            extra_keys=options.extra_keys,
+            num_shared_prefix_tokens=options.num_shared_prefix_tokens,
         )
         for t in output_token_ids:
-            req.append_token(int(t))
+            req.append_token(t)
         return req
 
     # ------------------------------------------------------- KV handed over from another engine
@@ -192,8 +167,9 @@ class Engine:
         """Decode side of disaggregation, step 1: validates the request and allocates blocks for
         the `num_kv_tokens` tokens whose KV another engine computed. Returns the block ids to write
         (`runner.write_blocks`), or None when the pool or the batch has no room now."""
-        req = self._new_request(request_id, prompt_token_ids, params, extra_keys, output_token_ids, seed,
-                                num_shared_prefix_tokens)
+        options = RequestOptions(extra_keys=extra_keys, num_shared_prefix_tokens=num_shared_prefix_tokens,
+                                 output_token_ids=tuple(output_token_ids), seed=seed)
+        req = self._new_request(request_id, prompt_token_ids, params, options)
         assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
         if len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs:
             return None
@@ -256,28 +232,6 @@ class Engine:
             return False
         self.kv.free(req)
         return True
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise EmptyPrompt("prompt has no tokens")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise TokenOutOfVocab(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise InvalidSamplingParams(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthExceeded(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        if self.kv.num_blocks_needed(total) > self.num_blocks:
-            raise ContextLengthExceeded(
-                f"prompt + max_tokens = {total} tokens needs more KV blocks than this engine holds "
-                f"({self.num_blocks} blocks of {self.cfg.block_size})"
-            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drops a request wherever it is (queued, running, reserved, held) and frees its blocks."""

@@ -15,7 +15,7 @@ from actors.engine.request import Request
 
 
 @dataclass(frozen=True)
-class PrefixCacheStats:
+class PrefixHitStats:
     num_queried_tokens: int
     num_hit_tokens: int
 
@@ -96,8 +96,8 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def prefix_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._queried_tokens, self._hit_tokens)
+    def prefix_stats(self) -> PrefixHitStats:
+        return PrefixHitStats(self._queried_tokens, self._hit_tokens)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,9 +18,6 @@ from actors.engine.config import ModelConfig
 from actors.engine.model import CausalLM, KVCache
 from kernels import AttentionMetadata, dequantize_int8, quantize_int8
 
-if TYPE_CHECKING:
-    from actors.engine.cuda_graphs import DecodeGraphs
-
 
 @dataclass(frozen=True)
 class SeqChunk:
@@ -28,6 +25,16 @@ class SeqChunk:
     start_pos: int
     block_ids: list[int]
     needs_logits: bool
+
+
+class StepReplayer(Protocol):
+    """A faster path for some steps; `DecodeGraphs` (actors/engine/cuda_graphs.py) replays
+    captured CUDA graphs. `run(chunks)` is called only when `supports(chunks)`, and returns what
+    `ModelRunner.execute` would: float32 logits [len(chunks), V] in the chunks' order."""
+
+    def supports(self, chunks: list[SeqChunk]) -> bool: ...
+
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor: ...
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -60,7 +67,7 @@ class ModelRunner:
         self.model_dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_dtype
         self.pad_block: int | None = num_blocks if pad_block else None
-        self.graphs: DecodeGraphs | None = None  # set by the engine when it captures them
+        self.graphs: StepReplayer | None = None  # set by the engine when it captures graphs
         shape = (num_blocks + int(pad_block), block_size, cfg.num_kv_heads, cfg.head_dim)
 
         int8, dev = kv_dtype == torch.int8, self.device

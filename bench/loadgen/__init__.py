@@ -3,7 +3,7 @@
 Mental model: a *workload* is a list of `BenchRequest`s (arrival time, prompt and output length,
 Mooncake prefix block ids, tenant, SLO class), built from a real trace or a synthetic arrival
 process and scaled to fit this machine. The *client* replays it against one loopback URL with
-streaming completions and records one `RequestRecord` (send time, chunk times, token counts) per
+streaming completions and records one `ClientRecord` (send time, chunk times, token counts) per
 request. *Metrics* turn records into the numbers `vllm bench serve` prints (TTFT, TPOT, ITL, E2E,
 throughput, goodput) plus per-tenant SLO attainment. *Peers* start and stop the servers compared
 in one run (ferry colocated/disaggregated, llama-server, llama-cpp-python), and *report* writes

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import httpx2
 
-from bench.loadgen.metrics import RequestRecord
+from bench.loadgen.metrics import ClientRecord
 from bench.loadgen.prompts import prompt_text
 from bench.loadgen.workload import BenchRequest
 
@@ -71,7 +71,7 @@ def _request_id(values: list[str]) -> str | None:
 
 
 async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest, index: int,
-               rec: RequestRecord) -> None:
+               rec: ClientRecord) -> None:
     body = {"model": cfg.model, "prompt": prompt_text(req, index, cfg.salt), "max_tokens": req.output_len,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
@@ -105,17 +105,17 @@ async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest,
         rec.error = "no text chunk"
 
 
-async def replay(cfg: ClientConfig, workload: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
+async def replay(cfg: ClientConfig, workload: list[BenchRequest]) -> tuple[list[ClientRecord], float]:
     """Run the workload; returns (records of every request sent, duration in s)."""
     check_loopback(cfg.url)
     reqs = workload[: cfg.max_requests] if cfg.max_requests else workload
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    records: list[RequestRecord] = []
+    records: list[ClientRecord] = []
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx2.Timeout(cfg.duration_s + cfg.grace_s, connect=10.0)
     async with httpx2.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
 
-        async def run(i: int, req: BenchRequest, rec: RequestRecord) -> None:
+        async def run(i: int, req: BenchRequest, rec: ClientRecord) -> None:
             try:
                 if sem is None:
                     await _one(client, cfg, req, i, rec)
@@ -135,7 +135,7 @@ async def replay(cfg: ClientConfig, workload: list[BenchRequest]) -> tuple[list[
                 break
             if delay > 0:
                 await asyncio.sleep(delay)
-            rec = RequestRecord(send_s=time.perf_counter(), tenant=req.tenant, slo_class=req.slo_class)
+            rec = ClientRecord(send_s=time.perf_counter(), tenant=req.tenant, slo_class=req.slo_class)
             records.append(rec)
             tasks.append(asyncio.create_task(run(i, req, rec)))
         left = max(0.0, start + cfg.duration_s + cfg.grace_s - time.perf_counter())

@@ -1,6 +1,6 @@
 """Benchmark metrics exactly as `vllm bench serve` computes them, from per-request timelines.
 
-Mental model: each request yields one `RequestRecord`: when it was sent, the arrival time of every
+Mental model: each request yields one `ClientRecord`: when it was sent, the arrival time of every
 streamed chunk that carried text, and the output token count (from `usage` when the server sends
 it, else the number of text chunks). Then, per successful request:
   TTFT = first text chunk - send;  E2E = last text chunk - send;
@@ -43,7 +43,7 @@ class Slo:
 
 
 @dataclass(slots=True)
-class RequestRecord:
+class ClientRecord:
     send_s: float  # monotonic clock
     chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
     output_tokens: int | None = None  # usage.completion_tokens; None = count chunks
@@ -77,7 +77,7 @@ class RequestRecord:
         return (self.e2el_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
 
 
-def is_good(r: RequestRecord, slo: Slo) -> bool:
+def is_good(r: ClientRecord, slo: Slo) -> bool:
     if not r.success or not r.chunk_s:
         return False
     checks = ((slo.ttft_ms, r.ttft_s), (slo.tpot_ms, r.tpot_s), (slo.e2el_ms, r.e2el_s))
@@ -113,7 +113,7 @@ class Summary:
         return asdict(self)
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, Slo]) -> Summary:
+def summarize(records: list[ClientRecord], duration_s: float, slos: dict[str, Slo]) -> Summary:
     """`slos` maps SLO class -> promises; a class not in it has none (every success is good)."""
     ok = [r for r in records if r.success and r.chunk_s]
     good = [is_good(r, slos.get(r.slo_class, Slo())) for r in records]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import format_table
-from bench.loadgen.metrics import RequestRecord, Summary
+from bench.loadgen.metrics import ClientRecord, Summary
 from bench.loadgen.probe import PROBE_PROMPT, ProbeAnswer
 from bench.loadgen.stages import STAGE_COLUMNS, stage_row
 
@@ -38,7 +38,7 @@ class RatePoint:
     stages: dict[str, Any] | None = None
 
     @staticmethod
-    def of(rate: float, summary: Summary, records: list[RequestRecord],
+    def of(rate: float, summary: Summary, records: list[ClientRecord],
            memory_mib: dict[str, tuple[int | None, int | None]] | None = None,
            preemptions: tuple[int, int] | None = None, stages: dict[str, Any] | None = None) -> "RatePoint":
         ok = [r for r in records if r.success and r.chunk_s]

@@ -25,7 +25,7 @@ from typing import Any
 import httpx2
 import numpy as np
 
-from bench.loadgen.metrics import RequestRecord
+from bench.loadgen.metrics import ClientRecord
 
 FETCH_CONCURRENCY = 8
 
@@ -49,7 +49,7 @@ async def _fetch(base: str, ids: list[str], api_key: str | None) -> dict[str, di
     return found
 
 
-def fetch_timelines(url: str, records: list[RequestRecord], api_key: str | None = None) -> dict[str, dict[str, Any]]:
+def fetch_timelines(url: str, records: list[ClientRecord], api_key: str | None = None) -> dict[str, dict[str, Any]]:
     """Timelines of the answered requests, by request id; {} from a server that keeps none."""
     base = url.rstrip("/").removesuffix("/v1")
     ids = [r.request_id for r in records if r.success and r.request_id]
@@ -74,7 +74,7 @@ def _union_s(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize_stages(records: list[RequestRecord], timelines: dict[str, dict[str, Any]],
+def summarize_stages(records: list[ClientRecord], timelines: dict[str, dict[str, Any]],
                      duration_s: float) -> dict[str, Any] | None:
     """One rate's stage figures (milliseconds unless named), or None without timelines."""
     pairs = [(r, timelines[r.request_id]) for r in records if r.request_id in timelines]

@@ -3,7 +3,7 @@
 Mental model (vLLM V1's scheduler, and this project's `actors/engine/scheduler.py`): each step,
 after its decode rows, an engine continues the prefills it has started, in order, then starts
 waiting ones in queue order (`key`) while the step's token budget, sequence slots and KV blocks
-allow. A request's KV blocks (prompt + its whole output, the same oracle as `_Decoder`) are
+allow. A request's KV blocks (prompt + its whole output, the same oracle as `DecodeRows`) are
 reserved when its prefill starts, so it joins the decode batch in place when its last chunk is
 done: nothing is handed over. The colocated baseline gives every step a fixed token budget; a
 decode instance under our scheduler gets the budget the scheduler computes from the step time its
@@ -20,15 +20,17 @@ from typing import TYPE_CHECKING
 from bench.sim.request import PREFILLING, QUEUED, SimRequest
 
 if TYPE_CHECKING:
-    from bench.sim.cluster import SimCluster
-    from bench.sim.colocated import ColocatedInstance
-    from bench.sim.instances import DecodeInstance, _Decoder
+    from bench.sim.contracts import InstanceHost, SimEngine
+    from bench.sim.decoder import DecodeRows
 
 _seq = itertools.count()
 
 
 class ChunkedPrefill:
-    def __init__(self, inst: "ColocatedInstance | DecodeInstance", sim: "SimCluster", dec: "_Decoder") -> None:
+    """The prefills of instance `inst`, whose finished prefills join `dec`; `sim` is told as they
+    start and finish."""
+
+    def __init__(self, inst: SimEngine, sim: InstanceHost, dec: DecodeRows) -> None:
         self.inst, self.sim, self.dec = inst, sim, dec
         self.waiting: list[tuple[tuple, int, SimRequest]] = []
         self.prefilling: list[SimRequest] = []

@@ -5,7 +5,7 @@ Arrivals go to `router.on_arrival`, which calls back `dispatch` (or `refuse`); i
 `start_prefill` / `finish_prefill` / `decode_admitted` / `finish` as steps end; the cluster moves
 KV between instances, emits tokens, and tells the router what happened in the same vocabulary
 the real data plane would use. Every `report_interval_s` alive instances report their load
-(`WorkerLoad`, with measured step samples and prefix-cache deltas); a dead instance simply stops
+(`WorkerReport`, with measured step samples and prefix-cache deltas); a dead instance simply stops
 reporting, so a scheduler notices it by missed heartbeats. Baseline routers, which read no
 reports, are told of a death after the same heartbeat timeout.
 """
@@ -23,10 +23,11 @@ from bench.sim.hardware import NetworkSpec, RooflineCost, StepCost
 from bench.sim.instances import DecodeInstance, PrefillInstance
 from bench.sim.request import (CANCELLED, DECODE_WAIT, DONE, LOST, ORPHAN, PREEMPTED, PREFILLING, QUEUED,
                                REFUSED, TRANSFER, SimRequest)
-from cluster.descriptors import WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import WorkerKind, WorkerReport, WorkerName
 
 if TYPE_CHECKING:
-    from bench.sim.policies import Router
+    from bench.sim.contracts import SimEngine
+    from bench.sim.policies import SimPolicy
 
 Instance = PrefillInstance | DecodeInstance | ColocatedInstance
 
@@ -63,7 +64,7 @@ class FailureRecord:
 
 
 class SimCluster:
-    def __init__(self, spec: ClusterSpec, router: "Router", cost: StepCost | None = None,
+    def __init__(self, spec: ClusterSpec, router: SimPolicy, cost: StepCost | None = None,
                  kv_bytes_per_token: int = 131072, kv_capacity_tokens: int | None = None) -> None:
         self.spec, self.router = spec, router
         self.cost = cost or RooflineCost()
@@ -131,7 +132,7 @@ class SimCluster:
         if self.loop.now + self.spec.report_interval_s <= end and self._pending[0] > 0:
             self.loop.after(self.spec.report_interval_s, self._tick, end)
 
-    def _report(self, inst: Instance) -> WorkerLoad:
+    def _report(self, inst: Instance) -> WorkerReport:
         running, waiting = inst.load()
         added, removed = inst.cache.take_deltas()
         if isinstance(inst, PrefillInstance):
@@ -140,7 +141,7 @@ class SimCluster:
             kind = WorkerKind.DECODE if isinstance(inst, DecodeInstance) else WorkerKind.COLOCATED
             total, free = inst.dec.kv_blocks, inst.dec.kv_blocks - inst.dec.used_blocks
         steps, inst.samples = tuple(inst.samples), []
-        return WorkerLoad(WorkerName(inst.name), kind, running, waiting, max(0, free), total,
+        return WorkerReport(WorkerName(inst.name), kind, running, waiting, max(0, free), total,
                           self.spec.kv_block_tokens, True, self.loop.now, steps, added, removed)
 
     # ---- the router's commands --------------------------------------------------------------
@@ -178,7 +179,7 @@ class SimCluster:
 
     # ---- physics callbacks ------------------------------------------------------------------
 
-    def start_prefill(self, req: SimRequest, inst: Instance) -> float:
+    def start_prefill(self, req: SimRequest, inst: SimEngine) -> float:
         """Prefix lookup for a request starting prefill on `inst`; returns the pool fetch time.
         Only prefill instances fetch from the pool (an engine decoding its own prefills looks up
         its own cache, as the data plane's decode worker does)."""
@@ -194,7 +195,7 @@ class SimCluster:
         self.router.on_prefill_start(req)
         return (pool - local) * self.fetch_s_per_block if pool > local else 0.0
 
-    def finish_prefill(self, req: SimRequest, inst: Instance) -> bool:
+    def finish_prefill(self, req: SimRequest, inst: SimEngine) -> bool:
         """Prefill ended: its last logits give the next token. True if the request decodes on
         `inst` (colocated, or a decode instance's own prefill) from here."""
         now = self.loop.now
@@ -241,7 +242,7 @@ class SimCluster:
         self.router.on_kv_delivered(req)
         inst.arrive(req)  # type: ignore[union-attr]
 
-    def decode_admitted(self, req: SimRequest, inst: Instance) -> None:
+    def decode_admitted(self, req: SimRequest, inst: SimEngine) -> None:
         self.router.on_decode_admitted(req)
 
     def first_decode_token(self, req: SimRequest) -> None:

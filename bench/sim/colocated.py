@@ -13,23 +13,23 @@ from typing import TYPE_CHECKING
 
 from bench.sim.cache import BlockCache
 from bench.sim.chunked import ChunkedPrefill
+from bench.sim.decoder import DecodeRows
 from bench.sim.hardware import StepCost
-from bench.sim.instances import _Decoder
 from bench.sim.request import SimRequest
 from cluster.descriptors import StepSample
 
 if TYPE_CHECKING:
-    from bench.sim.cluster import SimCluster
+    from bench.sim.contracts import InstanceHost
 
 
 class ColocatedInstance:
     """One engine doing both phases; FCFS by `key` (arrival for the baseline)."""
 
-    def __init__(self, name: str, cost: StepCost, sim: "SimCluster", kv_blocks: int, block_tokens: int,
+    def __init__(self, name: str, cost: StepCost, sim: InstanceHost, kv_blocks: int, block_tokens: int,
                  cache_blocks: int, token_budget: int, max_num_seqs: int) -> None:
         self.name, self.cost, self.sim = name, cost, sim
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
-        self.dec = _Decoder(block_tokens, kv_blocks)
+        self.dec = DecodeRows(block_tokens, kv_blocks)
         self.cache = BlockCache(cache_blocks)
         self.prefill = ChunkedPrefill(self, sim, self.dec)
         self.busy = self.dead = False

@@ -3,14 +3,8 @@
 Mental model: each instance runs one engine step at a time; a step's duration comes from the
 cost model (`hardware.py`) and its effects land when it ends. Queues are heaps ordered by the
 request's `key` (the scheduler's priority for ours, arrival time for the baselines).
-
-Decode is simulated without touching every row every step: a request joining at step s with
-context c0 has context c0 + (j - 1 - s) in step j, so the batch's total context in step j is
-sum(c0 - s - 1) + B * j, kept as one running sum `S`; each request's finishing step is known
-when it joins (`join + tokens left`) and sits in a heap. A step costs O(log n) for the rows that
-finish, not O(batch).
-KV blocks are reserved for prompt + the full output at admission (an oracle for memory, the same
-for every policy, so no policy loses time to preemption on out-of-memory).
+Decode rows and their KV are kept by `DecodeRows` (`decoder.py`: O(log n) a step, KV reserved
+for the whole output at admission).
 A decode instance may also be sent prefills of its own (our scheduler's `local_prefill`): it runs
 them as chunks beside its rows (`chunked.py`), each step's chunk as large as the scheduler says
 the rows' TPOT target leaves room for, and decodes them in place.
@@ -25,72 +19,22 @@ from typing import TYPE_CHECKING
 
 from bench.sim.cache import BlockCache
 from bench.sim.chunked import ChunkedPrefill
+from bench.sim.decoder import DecodeRows
 from bench.sim.hardware import StepCost
-from bench.sim.request import DECODE_WAIT, DECODING, PREFILLING, QUEUED, SimRequest
+from bench.sim.request import DECODE_WAIT, PREFILLING, QUEUED, SimRequest
 from cluster.descriptors import StepSample
 
 if TYPE_CHECKING:
-    from bench.sim.cluster import SimCluster
+    from bench.sim.contracts import InstanceHost
 
 _seq = itertools.count()
-
-
-class _Decoder:
-    """The decode half shared by decode-only and colocated instances."""
-
-    def __init__(self, block_tokens: int, kv_blocks: int) -> None:
-        self.block_tokens = block_tokens
-        self.kv_blocks = kv_blocks
-        self.used_blocks = 0
-        self.steps_done = 0
-        self.rows: dict[str, SimRequest] = {}
-        self._finish: list[tuple[int, int, SimRequest]] = []
-        self._s = 0  # sum over rows of (c0 - join - 1)
-        self.just_joined: list[SimRequest] = []
-
-    def blocks_for(self, req: SimRequest) -> int:
-        return -(-(req.prompt_len + req.out_len) // self.block_tokens)
-
-    def join(self, req: SimRequest, blocks: int) -> None:
-        req.join_step, req.gen_at_join, req.blocks = self.steps_done, req.generated, blocks
-        req.s_term = req.prompt_len + req.generated - self.steps_done - 1
-        self._s += req.s_term
-        self.used_blocks += blocks
-        self.rows[req.rid] = req
-        req.state = DECODING
-        heapq.heappush(self._finish, (self.steps_done + req.out_len - req.generated, next(_seq), req))
-        self.just_joined.append(req)
-
-    def context_next_step(self) -> int:
-        return self._s + len(self.rows) * (self.steps_done + 1)
-
-    def generated_now(self, req: SimRequest) -> int:
-        return req.gen_at_join + (self.steps_done - req.join_step)
-
-    def leave(self, req: SimRequest) -> None:
-        del self.rows[req.rid]
-        self._s -= req.s_term
-        self.used_blocks -= req.blocks
-
-    def finished_rows(self) -> list[SimRequest]:
-        """Advance one step; rows whose last token came out in it (their count is final)."""
-        self.steps_done += 1
-        out = []
-        heap = self._finish
-        while heap and heap[0][0] <= self.steps_done:
-            _, _, req = heapq.heappop(heap)
-            if self.rows.get(req.rid) is req:
-                self.leave(req)
-                req.generated = req.out_len
-                out.append(req)
-        return out
 
 
 class PrefillInstance:
     """Prefill-only: steps of up to `token_budget` prompt tokens, highest priority first (a partly
     prefilled request yields to a more urgent one at chunk boundaries)."""
 
-    def __init__(self, name: str, cost: StepCost, sim: "SimCluster", cache_blocks: int, token_budget: int) -> None:
+    def __init__(self, name: str, cost: StepCost, sim: InstanceHost, cache_blocks: int, token_budget: int) -> None:
         self.name, self.cost, self.sim, self.token_budget = name, cost, sim, token_budget
         self.cache = BlockCache(cache_blocks, track_deltas=True)
         self.queue: list[tuple[tuple, int, SimRequest]] = []
@@ -161,12 +105,12 @@ class DecodeInstance:
     """Decode: a continuous batch admitted in key order, capped by `cap()` rows and by KV; plus
     any prefills sent here, chunked into the steps by `chunk(rows, context, computed)` tokens."""
 
-    def __init__(self, name: str, cost: StepCost, sim: "SimCluster", kv_blocks: int, block_tokens: int,
+    def __init__(self, name: str, cost: StepCost, sim: InstanceHost, kv_blocks: int, block_tokens: int,
                  cap: Callable[[], int], cache_blocks: int, chunk: Callable[[int, int, int], int],
                  max_num_seqs: int) -> None:
         self.name, self.cost, self.sim, self.cap, self.chunk = name, cost, sim, cap, chunk
         self.max_num_seqs = max_num_seqs
-        self.dec = _Decoder(block_tokens, kv_blocks)
+        self.dec = DecodeRows(block_tokens, kv_blocks)
         self.cache = BlockCache(cache_blocks, track_deltas=True)
         self.prefill = ChunkedPrefill(self, sim, self.dec)
         self.waiting: list[tuple[tuple, int, SimRequest]] = []

@@ -20,7 +20,7 @@ from typing import Any
 
 from cluster.clock import FakeClock
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestDesc, RequestId, StepSample, TenantId, WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import RequestDesc, RequestId, StepSample, TenantId, WorkerKind, WorkerReport, WorkerName
 from cluster.placement import Placement, PlacementConfig
 from cluster.scheduler import GlobalScheduler
 from cluster.tenants import InteractiveSlo, TenantConfig
@@ -46,14 +46,14 @@ def measure_decision_latency(num_in_flight: int = 10_000, num_measured: int = 5_
     system_prompts = [[rng.getrandbits(64) for _ in range(rng.randint(64, 128))] for _ in range(50)]
     names = [WorkerName(f"p{i}") for i in range(num_prefill)] + [WorkerName(f"d{i}") for i in range(num_decode)]
 
-    def report(name: WorkerName, full: bool) -> WorkerLoad:
+    def report(name: WorkerName, full: bool) -> WorkerReport:
         prefill = name.startswith("p")
         steps = (StepSample(4096, 4096 * 2048.0, 0, 0, 0.15),) if prefill else \
                 (StepSample(0, 0.0, 256, 256 * 2000, 0.03),)
         held = None
         if full and prefill:
             held = frozenset(h for sp in rng.sample(system_prompts, 10) for h in sp)
-        return WorkerLoad(name, WorkerKind.PREFILL if prefill else WorkerKind.DECODE, 8, 4,
+        return WorkerReport(name, WorkerKind.PREFILL if prefill else WorkerKind.DECODE, 8, 4,
                           10_000_000, 10_000_000, 16, True, clock.now(), steps, cached_full=held)
 
     for n in names:

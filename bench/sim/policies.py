@@ -22,22 +22,22 @@ from bench.sim.events import SimClock
 from bench.sim.request import LOST, ORPHAN, TRANSFER, SimRequest
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestDesc, RequestId, TenantId, WorkerLoad, WorkerName
+from cluster.descriptors import RequestDesc, RequestId, TenantId, WorkerReport, WorkerName
 from cluster.placement import Placement, PlacementKind
 from cluster.scheduler import GlobalScheduler
 from cluster.timeline import Stage
 
 if TYPE_CHECKING:
-    from bench.sim.cluster import SimCluster
+    from bench.sim.contracts import SimDataPlane
 
 
-class Router:
+class SimPolicy:
     """Hooks the simulated cluster calls; the defaults do nothing."""
 
     name = "router"
     wants_reports = False
 
-    def attach(self, sim: "SimCluster") -> None:
+    def attach(self, sim: SimDataPlane) -> None:
         self.sim = sim
 
     def on_arrival(self, req: SimRequest) -> None: raise NotImplementedError
@@ -49,7 +49,7 @@ class Router:
     def on_kv_delivered(self, req: SimRequest) -> None: pass
     def on_decode_admitted(self, req: SimRequest) -> None: pass
     def on_finish(self, req: SimRequest) -> None: pass
-    def on_report(self, load: WorkerLoad) -> None: pass
+    def on_report(self, load: WorkerReport) -> None: pass
     def on_pool_report(self, added: tuple[int, ...], removed: tuple[int, ...]) -> None: pass
     def on_tick(self) -> None: pass
     def sync_tokens(self, reqs: list[SimRequest]) -> None: pass
@@ -64,10 +64,10 @@ class Router:
         return sorted(lost, key=lambda r: (r.arrival, r.rid))
 
 
-class ColocatedRoundRobin(Router):
+class ColocatedRoundRobin(SimPolicy):
     name = "colocated-rr-fcfs"
 
-    def attach(self, sim: "SimCluster") -> None:
+    def attach(self, sim: SimDataPlane) -> None:
         super().attach(sim)
         self._next = 0
         self._dead: set[str] = set()
@@ -92,10 +92,10 @@ class ColocatedRoundRobin(Router):
             self.sim.dispatch(req, target, target, (req.arrival,))
 
 
-class DisaggLoadOnly(Router):
+class DisaggLoadOnly(SimPolicy):
     name = "disagg-load-only"
 
-    def attach(self, sim: "SimCluster") -> None:
+    def attach(self, sim: SimDataPlane) -> None:
         super().attach(sim)
         self._dead: set[str] = set()
         self.outstanding = {n: 0 for n in sim.instances}  # prefill: queued+running; decode: rows
@@ -150,7 +150,7 @@ class DisaggLoadOnly(Router):
                 self._to_prefill(req)
 
 
-class Ours(Router):
+class Ours(SimPolicy):
     name = "ours"
     wants_reports = True
 
@@ -158,7 +158,7 @@ class Ours(Router):
         self.cfg = cfg
         self.max_tokens = max_tokens
 
-    def attach(self, sim: "SimCluster") -> None:
+    def attach(self, sim: SimDataPlane) -> None:
         super().attach(sim)
         self.sched = GlobalScheduler(self.cfg, SimClock(sim.loop))
         self._synced: dict[str, int] = {}
@@ -218,7 +218,7 @@ class Ours(Router):
                 self.sched.on_token(RequestId(req.rid), count=delta)
                 self._synced[req.rid] = req.generated
 
-    def on_report(self, load: WorkerLoad) -> None:
+    def on_report(self, load: WorkerReport) -> None:
         self.sched.on_report(load)
 
     def on_pool_report(self, added: tuple[int, ...], removed: tuple[int, ...]) -> None:

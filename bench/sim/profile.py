@@ -27,6 +27,7 @@ def measure(model: str = "smollm2", prefill_lengths: tuple[int, ...] = (32, 128,
             repeats: int = 3) -> dict[str, Any]:
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
+    from actors.engine.options import RequestOptions
     from actors.engine.sampling import SamplingParams
 
     cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=1 << 30,
@@ -44,7 +45,7 @@ def measure(model: str = "smollm2", prefill_lengths: tuple[int, ...] = (32, 128,
         times = []
         for _ in range(repeats):
             rid = f"pf{next(counter)}"
-            engine.add_request(rid, prompt(n), SamplingParams(max_tokens=1), prefill_only=True)
+            engine.add_request(rid, prompt(n), SamplingParams(max_tokens=1), RequestOptions(prefill_only=True))
             engine.step()
             times.append(engine._last_step_s)
             engine.release_kv(rid)

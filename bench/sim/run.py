@@ -28,7 +28,7 @@ from bench.sim.cluster import ClusterSpec, SimCluster
 from bench.sim.hardware import ProfileCost, RooflineCost, StepCost
 from bench.sim.latency import measure_decision_latency
 from bench.sim.metrics import summarize
-from bench.sim.policies import ColocatedRoundRobin, DisaggLoadOnly, Ours, Router
+from bench.sim.policies import ColocatedRoundRobin, DisaggLoadOnly, Ours, SimPolicy
 from bench.sim.request import SimRequest
 from bench.sim.traces import MOONCAKE_BLOCK_TOKENS, load_azure_conv, load_mooncake, native_rate, scale_to_rate
 from cluster.config import SchedulerConfig
@@ -90,7 +90,7 @@ def _trace(name: str, num_requests: int | None) -> tuple[Any, ...]:
     return tuple(clipped)
 
 
-def _router(job: Job) -> Router:
+def _router(job: Job) -> SimPolicy:
     if job.policy == "colocated":
         return ColocatedRoundRobin()
     if job.policy == "load-only":

@@ -123,7 +123,7 @@ class Monitoring:
         run_in_lifespan(app, self.export_once, self.period_s)
 
     async def snapshot(self) -> ClusterSnapshot:
-        """What the ingress can read today: one engine's stats, or the `PDClient`'s worker loads,
+        """What the ingress can read today: one engine's stats, or the `Router`'s worker loads,
         and the semantic cache's stats. Engine, pool and transport stats of remote workers join
         once the workers report them."""
         source = self.provider.sources.loads

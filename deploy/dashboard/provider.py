@@ -2,7 +2,7 @@
 
 Mental model: a provider joins four feeds, each behind a small protocol so any part of the system
 can supply it: recent request records (`TimelineSource`: the HTTP backend's timelines today, the
-cluster scheduler's later), worker loads (`LoadSource`: `PDClient.loads` as it is, or one
+cluster scheduler's later), worker loads (`LoadSource`: `Router.loads` as it is, or one
 in-process engine), cumulative cache counters (`PrefixSource`) and refusal counts
 (`RefusalSource`: `deploy.metrics.RequestMetrics`), plus the tenants' SLOs (`SloSource`). Each
 poll reads them once and hands the numbers to the pure functions of window.py. The window is
@@ -285,7 +285,7 @@ def _bar(r: RequestRecord) -> RequestBar:
 def dashboard_for(backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None,
                   refusals: RefusalSource | None = None, window_s: float = 60.0) -> TimelineDashboard:
     """The provider for an HTTP backend: its timelines, plus its engine's stats (EngineBackend) or
-    its `PDClient`'s worker loads (ClusterBackend)."""
+    its `Router`'s worker loads (ClusterBackend)."""
     engine = getattr(backend, "async_engine", None)
     client = getattr(backend, "client", None)
     loads: LoadSource | None = EngineSource(engine) if engine is not None else client

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, Protocol, runtime_checkable
 
 from actors.engine.async_engine import AsyncEngine
+from actors.engine.options import RequestOptions
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.colocated import process_rss_bytes
@@ -117,7 +118,7 @@ class EngineBackend:
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
         trace = self.timelines.open(request_id, tenant)
         stream: AsyncIterator[RequestOutput] = self.async_engine.generate(
-            request_id, prompt_token_ids, params, extra_keys=tenant_cache_salt(tenant))
+            request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant)))
         started = finished = False
         try:
             async for out in stream:

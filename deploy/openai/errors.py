@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.engine.async_engine import EngineDead
+from actors.errors import EngineDead
 from actors.engine.errors import (
     ContextLengthExceeded,
     EmptyPrompt,

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from bench.loadgen.metrics import RequestRecord, Slo, is_good, summarize
+from bench.loadgen.metrics import ClientRecord, Slo, is_good, summarize
 
 
-def _rec(send: float, chunks: list[float], n: int | None = None, tenant: str = "a", ok: bool = True) -> RequestRecord:
-    return RequestRecord(send_s=send, chunk_s=chunks, output_tokens=n, success=ok, tenant=tenant)
+def _rec(send: float, chunks: list[float], n: int | None = None, tenant: str = "a", ok: bool = True) -> ClientRecord:
+    return ClientRecord(send_s=send, chunk_s=chunks, output_tokens=n, success=ok, tenant=tenant)
 
 
 def test_ttft_tpot_itl_e2e_of_one_timeline() -> None:
@@ -80,7 +80,7 @@ def test_throughput_goodput_and_tenant_attainment() -> None:
 
 
 def test_per_class_slos() -> None:
-    fast = RequestRecord(send_s=0.0, chunk_s=[0.3], output_tokens=1, success=True, slo_class="batch")
+    fast = ClientRecord(send_s=0.0, chunk_s=[0.3], output_tokens=1, success=True, slo_class="batch")
     s = summarize([fast], 1.0, {"default": Slo(ttft_ms=100), "batch": Slo(ttft_ms=1000)})
     assert s.goodput == 1.0
 

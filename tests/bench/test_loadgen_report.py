@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen.cli import add_arguments, apply_short_prompts, build_workload
-from bench.loadgen.metrics import RequestRecord, Slo, summarize
+from bench.loadgen.metrics import ClientRecord, Slo, summarize
 from bench.loadgen.report import RatePoint, SystemResult, table, write_json, write_results_md
 
 
@@ -42,7 +42,7 @@ def test_trace_prefix_is_scaled_to_the_rate_within_the_time_bound() -> None:
 
 
 def _point(rate: float, good: int, sent: int) -> RatePoint:
-    recs = [RequestRecord(send_s=0.0, chunk_s=[0.1 if i < good else 9.0], output_tokens=1, success=True)
+    recs = [ClientRecord(send_s=0.0, chunk_s=[0.1 if i < good else 9.0], output_tokens=1, success=True)
             for i in range(sent)]
     return RatePoint.of(rate, summarize(recs, 10.0, {"default": Slo(ttft_ms=1000)}), recs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.clock import FakeClock
 from cluster.config import SchedulerConfig
-from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, TenantId, WorkerKind, WorkerLoad,
+from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, TenantId, WorkerKind, WorkerReport,
                                  WorkerName)
 from cluster.scheduler import GlobalScheduler
 
@@ -14,8 +14,8 @@ T = TenantId
 
 
 def load(name: str, kind: WorkerKind, *, free: int = 100_000, total: int = 100_000, t: float = 0.0,
-         steps: tuple[StepSample, ...] = (), added: tuple[int, ...] = ()) -> WorkerLoad:
-    return WorkerLoad(W(name), kind, 0, 0, free, total, 16, True, t, steps, cached_added=added)
+         steps: tuple[StepSample, ...] = (), added: tuple[int, ...] = ()) -> WorkerReport:
+    return WorkerReport(W(name), kind, 0, 0, free, total, 16, True, t, steps, cached_added=added)
 
 
 def make(cfg: SchedulerConfig | None = None, *, prefill: int = 2, decode: int = 2,

@@ -9,7 +9,7 @@ import pytest
 from actors.engine.block_hash import hash_block_chain
 from bench.sim.cluster import ClusterSpec, SimCluster
 from bench.sim.metrics import summarize
-from bench.sim.policies import ColocatedRoundRobin, DisaggLoadOnly, Ours, Router
+from bench.sim.policies import ColocatedRoundRobin, DisaggLoadOnly, Ours, SimPolicy
 from bench.sim.request import DONE, SimRequest
 from bench.sim.run import _bracket, goodput
 from cluster.config import SchedulerConfig
@@ -48,7 +48,7 @@ def _ours_local() -> Ours:
     return _ours(local_prefill=True)
 
 
-def _run(router: Router, reqs: list[SimRequest], failures: tuple[tuple[float, str], ...] = ()) -> SimCluster:
+def _run(router: SimPolicy, reqs: list[SimRequest], failures: tuple[tuple[float, str], ...] = ()) -> SimCluster:
     colocated = isinstance(router, ColocatedRoundRobin)
     spec = ClusterSpec(num_prefill=0 if colocated else 2, num_decode=0 if colocated else 2,
                        num_colocated=4 if colocated else 0, failures=failures)

@@ -11,6 +11,7 @@ from typing import Any
 
 from actors.engine.memory import KVPlan
 from actors.messages import WorkerLoad
+from cluster.router.room import RoomQueue
 from deploy.cluster_backend import ClusterBackend, can_serve
 
 
@@ -18,14 +19,20 @@ def load(name: str, kind: str, healthy: bool = True, rss_bytes: int = 0) -> Work
     return WorkerLoad(name, kind, 1, 0, 0, 90, 100, 0.01, healthy, rss_bytes)  # type: ignore[arg-type]
 
 
-class Client:
-    """What `ClusterBackend.health` reads of a `PDClient`."""
+class Replacements:
+    def __init__(self, replacing: tuple[str, ...]) -> None:
+        self.replacing = dict.fromkeys(replacing)
 
-    scheduled = None
+
+class Client:
+    """What `ClusterBackend.health` reads of a `Router`."""
+
+    control = None
 
     def __init__(self, loads: list[WorkerLoad], replacing: tuple[str, ...] = ()) -> None:
         self._loads = {w.name: w for w in loads}
-        self.replacing = dict.fromkeys(replacing)
+        self.replacements = Replacements(replacing)
+        self.room = RoomQueue()
 
     async def loads(self) -> dict[str, WorkerLoad]:
         return self._loads
@@ -58,16 +65,13 @@ def test_each_worker_reports_its_resident_memory_when_known() -> None:
 
 
 def test_requests_waiting_for_a_decode_row_are_reported() -> None:
-    from actors.room import RoomQueue
-
     async def main() -> dict[str, Any]:
         client = Client([load("p0", "prefill"), load("d0", "decode")])
-        client.room = RoomQueue()  # type: ignore[attr-defined]
-        client.room.join(1, 0.0)  # type: ignore[attr-defined]
+        client.room.join(1, 0.0)
         return await ClusterBackend(client, None, "m", 100).health()  # type: ignore[arg-type]
 
     assert asyncio.run(main())["row_queue"] == {"waiting": 1, "num_queued": 1, "interactive_waiting": False}
-    assert "row_queue" not in health([load("d0", "decode")])  # a client without one says nothing
+    assert health([load("d0", "decode")])["row_queue"]["waiting"] == 0
 
 
 def test_each_worker_reports_how_its_kv_pool_was_sized() -> None:

@@ -55,9 +55,9 @@ def test_make_transport_cuda_ipc_on_the_host_uses_shared_memory() -> None:
 
 
 def test_nixl_envelope_says_where_receive_staging_lives() -> None:
-    from transfer.nixl_wire import Envelope
+    from transfer.nixl_wire import NixlEnvelope
 
-    host = Envelope("p", 1, 4096, 8192, b"md")
-    gpu = Envelope("p", 1, 4096, 8192, b"md", recv_device=3)
-    assert Envelope.unpack(host.pack()).recv_mem == ("DRAM", 0)  # what a peer of before writes, too
-    assert Envelope.unpack(gpu.pack()) == gpu and gpu.recv_mem == ("VRAM", 3)
+    host = NixlEnvelope("p", 1, 4096, 8192, b"md")
+    gpu = NixlEnvelope("p", 1, 4096, 8192, b"md", recv_device=3)
+    assert NixlEnvelope.unpack(host.pack()).recv_mem == ("DRAM", 0)  # what a peer of before writes, too
+    assert NixlEnvelope.unpack(gpu.pack()) == gpu and gpu.recv_mem == ("VRAM", 3)

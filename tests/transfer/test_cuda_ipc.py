@@ -167,9 +167,9 @@ def test_frozen_receiver_is_transfer_timeout_and_works_again_after_thaw(sender: 
 
 def _raw_sender(rx: CudaIpcTransport, size: int) -> tuple[socket.socket, wire.Frame]:
     """A connection that speaks the wire by hand: HELLO, one REQ, and the GRANT it gets."""
-    env = wire.Envelope.unpack(rx.metadata())
+    env = wire.IpcEnvelope.unpack(rx.metadata())
     sock = socket.create_connection(("127.0.0.1", env.port), timeout=5.0)
-    sock.sendall(wire.hello("raw", 1) + wire.shard_frame(wire.Kind.REQ, 77, 0, 1, 3, size))
+    sock.sendall(wire.hello("raw", 1) + wire.shard_frame(wire.FrameKind.REQ, 77, 0, 1, 3, size))
     return sock, wire.read_frame(sock, wire.FrameBuffer(), [], time.monotonic() + 5.0, "rx")
 
 
@@ -186,12 +186,12 @@ def test_a_sender_that_vanishes_or_sits_on_its_grant_gives_the_room_back() -> No
     rx = endpoint("ipc-rx", recv_bytes=64 * 1024, grant_ttl_s=0.3)
     try:
         sock, grant = _raw_sender(rx, 5000)
-        assert (grant.kind, grant.send_id, grant.shard, grant.value) == (wire.Kind.GRANT, 77, 0, 0)
+        assert (grant.kind, grant.send_id, grant.shard, grant.value) == (wire.FrameKind.GRANT, 77, 0, 0)
         assert rx.stats().staging_in_use_bytes == 4096 * 2 and rx.stats().transfers_in_flight == 1
         sock.close()  # gone without writing: the receiver reclaims the room
         assert wait_until(lambda: rx.stats().staging_in_use_bytes == 0 and rx.stats().transfers_in_flight == 0)
         sock, grant = _raw_sender(rx, 5000)  # frozen: holds the grant past its TTL
-        assert grant.kind is wire.Kind.GRANT
+        assert grant.kind is wire.FrameKind.GRANT
         assert wait_until(lambda: rx.stats().staging_in_use_bytes == 0)
         assert sock.recv(16) == b""  # ...and its connection was closed, so it cannot write later
         sock.close()

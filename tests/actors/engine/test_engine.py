@@ -16,6 +16,7 @@ from actors.engine.errors import (
     TokenOutOfVocab,
 )
 from actors.engine.model_runner import SeqChunk
+from actors.engine.options import RequestOptions
 from actors.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -179,7 +180,7 @@ def test_waiting_interactive_requests_are_admitted_before_batch_ones(tiny_llama_
     engine.add_request("running", ps[0], GREEDY)
     engine.step()  # takes the row
     for rid, p, rank in (("b1", ps[1], 1), ("i1", ps[2], 0), ("b2", ps[3], 1), ("i2", ps[4], 0)):
-        engine.add_request(rid, p, GREEDY, priority_rank=rank)
+        engine.add_request(rid, p, GREEDY, RequestOptions(priority_rank=rank))
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -245,7 +246,7 @@ def test_a_request_chunk_cap_spreads_its_prefill_and_changes_no_token(tiny_llama
     engine.add_request("row", row, GREEDY)
     engine.step()  # the row's prompt, whole; it decodes from now on
     engine.take_step_records()
-    engine.add_request("capped", prompt, GREEDY, max_chunk_tokens=16)
+    engine.add_request("capped", prompt, GREEDY, RequestOptions(max_chunk_tokens=16))
     outputs: dict[str, list[int]] = {"row": [], "capped": []}
     prefill_steps = []
     while engine.has_unfinished_requests():
@@ -258,12 +259,12 @@ def test_a_request_chunk_cap_spreads_its_prefill_and_changes_no_token(tiny_llama
     assert prefill_steps == [(16, 1)] * 4 + [(9, 1)]
     assert [outputs["row"], outputs["capped"]] == want
     with pytest.raises(ValueError, match="max_chunk_tokens"):
-        engine.add_request("bad", prompt, GREEDY, max_chunk_tokens=0)
+        engine.add_request("bad", prompt, GREEDY, RequestOptions(max_chunk_tokens=0))
     from actors.messages import GenerationRequest
 
     with pytest.raises(ValueError, match="max_chunk_tokens"):  # refused before it reaches a worker
         GenerationRequest("bad", prompt, GREEDY, max_chunk_tokens=0)
-    assert GenerationRequest("ok", prompt, GREEDY, max_chunk_tokens=16).engine_kwargs()["max_chunk_tokens"] == 16
+    assert GenerationRequest("ok", prompt, GREEDY, max_chunk_tokens=16).engine_options().max_chunk_tokens == 16
 
 
 def test_capped_prompts_share_one_chunk_per_step_beside_decode_rows_only(tiny_llama_dir):
@@ -276,8 +277,8 @@ def test_capped_prompts_share_one_chunk_per_step_beside_decode_rows_only(tiny_ll
     engine.add_request("row", row, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     engine.step()  # the row's prompt, whole; it decodes from now on
     engine.take_step_records()
-    engine.add_request("a", a, GREEDY, max_chunk_tokens=16)
-    engine.add_request("b", b, GREEDY, max_chunk_tokens=24)
+    engine.add_request("a", a, GREEDY, RequestOptions(max_chunk_tokens=16))
+    engine.add_request("b", b, GREEDY, RequestOptions(max_chunk_tokens=24))
     outputs: dict[str, list[int]] = {}
     per_step = []
     while engine.has_unfinished_requests():
@@ -287,11 +288,11 @@ def test_capped_prompts_share_one_chunk_per_step_beside_decode_rows_only(tiny_ll
     # a first, 16 a step; b takes the 5 left in a's last step, then its own 24 a step.
     assert per_step[:5] == [16, 16, 11 + 5, 24, 17] and not any(per_step[5:])  # then decodes only
     assert [outputs["a"], outputs["b"]] == want
-    engine.add_request("c", c, GREEDY, max_chunk_tokens=8)  # nothing else runs: no cap
+    engine.add_request("c", c, GREEDY, RequestOptions(max_chunk_tokens=8))  # nothing else runs: no cap
     engine.step()
     assert engine.take_step_records()[0].num_prefill_tokens == 49
     d, e = prompts(2, 30, seed=31)
-    engine.add_request("d", d, GREEDY, max_chunk_tokens=8)  # c decodes now: capped again
+    engine.add_request("d", d, GREEDY, RequestOptions(max_chunk_tokens=8))  # c decodes now: capped again
     engine.add_request("e", e, GREEDY)
     engine.step()
     assert engine.take_step_records()[0].num_prefill_tokens == 8 + 33  # the uncapped prompt goes whole

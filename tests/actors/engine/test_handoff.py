@@ -7,6 +7,7 @@ import pytest
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
+from actors.engine.options import RequestOptions
 from actors.engine.sampling import SamplingParams
 
 from .test_engine import prompts
@@ -29,7 +30,7 @@ def test_prefill_engine_hands_kv_to_decode_engine(tiny_llama_dir):
     decode = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64))
     first_only = SamplingParams(max_tokens=1, temperature=0.8, seed=5, ignore_eos=True)
     for i, p in enumerate(batch):
-        prefill.add_request(f"r{i}", p, first_only, hold_kv=True)
+        prefill.add_request(f"r{i}", p, first_only, RequestOptions(hold_kv=True))
     firsts = run_to_end(prefill)
     for i, p in enumerate(batch):
         rid = f"r{i}"
@@ -67,9 +68,9 @@ def test_resume_from_journal_continues_the_same_stream(tiny_llama_dir):
     p = prompts(1, 25, seed=37)[0]
     for params in (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
                    SamplingParams(max_tokens=16, temperature=1.0, top_k=20, ignore_eos=True)):
-        engine.add_request("full", p, params, seed=77)
+        engine.add_request("full", p, params, RequestOptions(seed=77))
         full = run_to_end(engine)["full"]
-        engine.add_request("resumed", p, params, seed=77, output_token_ids=full[:6])
+        engine.add_request("resumed", p, params, RequestOptions(seed=77, output_token_ids=full[:6]))
         outs = []
         while engine.has_unfinished_requests():
             outs += engine.step()
@@ -81,7 +82,7 @@ def test_imported_prefix_blocks_are_reused(tiny_llama_dir):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     p = prompts(1, 40, seed=41)[0]
     source = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=32))
-    source.add_request("src", p, params, hold_kv=True)
+    source.add_request("src", p, params, RequestOptions(hold_kv=True))
     want = run_to_end(source)["src"]
     block_ids, _ = source.held_kv("src")
     hashes = source._held["src"].block_hashes[:2]
@@ -103,18 +104,18 @@ def test_tenant_salt_and_shared_prefix(tiny_llama_dir):
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     system = prompts(1, 32, seed=43)[0][:32]  # exactly 2 blocks
     p = system + [9, 8, 7, 6, 5] * 4
-    engine.add_request("a1", p, params, extra_keys=("tenant-a",))
+    engine.add_request("a1", p, params, RequestOptions(extra_keys=("tenant-a",)))
     run_to_end(engine)
-    b = engine.add_request("b1", p, params, extra_keys=("tenant-b",))
+    b = engine.add_request("b1", p, params, RequestOptions(extra_keys=("tenant-b",)))
     run_to_end(engine)
     assert b.num_prefix_hit_tokens == 0  # same prompt, other tenant: nothing shared
-    a2 = engine.add_request("a2", p, params, extra_keys=("tenant-a",))
+    a2 = engine.add_request("a2", p, params, RequestOptions(extra_keys=("tenant-a",)))
     run_to_end(engine)
     assert a2.num_prefix_hit_tokens == 48
     # opted-in shared system prompt: its blocks are shared, the tenant's own tokens are not
-    engine.add_request("c1", p, params, extra_keys=("tenant-c",), num_shared_prefix_tokens=32)
+    engine.add_request("c1", p, params, RequestOptions(extra_keys=("tenant-c",), num_shared_prefix_tokens=32))
     run_to_end(engine)
-    d = engine.add_request("d1", p, params, extra_keys=("tenant-d",), num_shared_prefix_tokens=32)
+    d = engine.add_request("d1", p, params, RequestOptions(extra_keys=("tenant-d",), num_shared_prefix_tokens=32))
     run_to_end(engine)
     assert d.num_prefix_hit_tokens == 32
 
@@ -126,7 +127,7 @@ def test_prefill_only_then_decode_engine_samples_everything(tiny_llama_dir):
     prefill = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64, max_num_batched_tokens=48))
     decode = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64))
     for i, p in enumerate(batch):
-        prefill.add_request(f"r{i}", p, params, prefill_only=True)
+        prefill.add_request(f"r{i}", p, params, RequestOptions(prefill_only=True))
     outs = []
     while prefill.has_unfinished_requests():
         outs += prefill.step()

@@ -17,14 +17,17 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
+from actors.engine.options import RequestOptions
 from actors.engine.sampling import SamplingParams
 from actors.handoff import kv_layout, prompt_block_hashes
 from actors.messages import GenerationRequest, TelemetryCursor, TokenEvent
-from actors.pd_client import PDClient
-from actors.placement import PlacementChoice
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.store import PrefixCacheConfig
-from actors.worker_config import ClientConfig, WorkerConfig
+from actors.worker_config import WorkerConfig
+from cluster.router.choice import PlacementChoice
+from cluster.router.client import Router
+from cluster.router.config import RouterConfig
+from cluster.router.ray_handles import router_for
 from transfer.codec import decode_shard, encode
 from transfer.config import TransferConfig
 
@@ -50,9 +53,9 @@ class Deployment:
         self.prefills = list(self.pd.prefills)
         self.pool = PrefixCachePool(self.pd.stores, timeout_s=5.0)  # the test's own view of the stores
 
-    def client(self, prefill: int) -> PDClient:
-        return self.pd.client(ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60),
-                              prefills=[self.prefills[prefill]])
+    def client(self, prefill: int) -> Router:
+        return router_for(self.pd, RouterConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60),
+                          prefills=[self.prefills[prefill]])
 
     async def flush(self, prefill: int) -> None:
         assert await self.pd.prefills[self.prefills[prefill]].flush_offers.remote(30.0)
@@ -67,7 +70,7 @@ def pd(ray_cluster: ModuleType, tiny_model_dir: Path, tmp_path_factory: pytest.T
         deployment.pd.shutdown()
 
 
-async def collect(client: PDClient, req: GenerationRequest) -> list[TokenEvent]:
+async def collect(client: Router, req: GenerationRequest) -> list[TokenEvent]:
     return [event async for event in client.generate(req)]
 
 
@@ -105,7 +108,7 @@ def test_pool_serves_a_prefix_to_another_prefill_worker_through_disk(pd: Deploym
     want = reference(pd.model, [first, second], GREEDY)
     hashes = prompt_block_hashes(GenerationRequest("a", first, GREEDY), 16)
 
-    async def main() -> tuple[list[TokenEvent], list[TokenEvent], PDClient]:
+    async def main() -> tuple[list[TokenEvent], list[TokenEvent], Router]:
         a = await collect(pd.client(0), GenerationRequest("pool-a", first, GREEDY))
         await pd.flush(0)
         client = pd.client(1)
@@ -129,7 +132,7 @@ def test_pool_serves_a_prefix_to_another_prefill_worker_through_disk(pd: Deploym
     again = pd.pool.get_prefix(hashes)
     assert again == payloads  # bytes that went DRAM -> disk -> DRAM are unchanged
     engine = Engine.from_pretrained(pd.model, EngineConfig(num_blocks=16))
-    engine.add_request("ref", first, GREEDY, hold_kv=True)
+    engine.add_request("ref", first, GREEDY, RequestOptions(hold_kv=True))
     while engine.has_unfinished_requests():
         engine.step()
     want_kv = engine.runner.read_blocks(engine.held_kv("ref")[0][:4])
@@ -197,7 +200,8 @@ class _LocalPrefill:
     def __init__(self, decode: str, chunk: int | None) -> None:
         self.decode, self.chunk = decode, chunk
 
-    def place(self, req: GenerationRequest, prefills: object, decodes: object) -> PlacementChoice:
+    def place(self, req: GenerationRequest, prefills: object, decodes: object,
+              decided: object = None) -> PlacementChoice:
         return PlacementChoice(None, (self.decode,), local_chunk_tokens=self.chunk)
 
 
@@ -206,19 +210,19 @@ def test_a_local_prefill_runs_on_its_decode_worker_in_the_chunks_it_was_placed_w
     want = reference(pd.model, [prompt], GREEDY)
     name = sorted(pd.pd.decodes)[0]
     handle = pd.pd.decodes[name]
-    cfg = ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60)
+    cfg = RouterConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60)
     long_row = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
 
     async def main() -> tuple[list[TokenEvent], tuple[int, ...]]:
         # A row decoding on that worker the whole time: the chunks are there to protect it.
-        rows = pd.pd.client(cfg, placement=_LocalPrefill(name, None))
+        rows = router_for(pd.pd, cfg, policy=_LocalPrefill(name, None))
         row_req = GenerationRequest("row", random_tokens(5, seed=701), long_row)
         async with contextlib.aclosing(rows.generate(row_req)) as row:
             await anext(row)
             before = await handle.telemetry.remote()
             cursor = TelemetryCursor(before.incarnation, before.first_step_seq + len(before.steps) - 1,
                                      before.cache_seq)
-            client = pd.pd.client(cfg, placement=_LocalPrefill(name, 8))
+            client = router_for(pd.pd, cfg, policy=_LocalPrefill(name, 8))
             events = await collect(client, GenerationRequest("local-chunks", prompt, GREEDY))
             after = await handle.telemetry.remote(cursor)
             assert [s.num_decode_seqs for s in after.steps if s.num_prefill_tokens] == [1] * 7  # the row decoded

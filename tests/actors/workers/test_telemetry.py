@@ -11,7 +11,7 @@ from actors.engine.output import StepRecord
 from actors.handoff import prompt_block_hashes
 from actors.messages import GenerationRequest, Telemetry, TelemetryCursor
 from actors.telemetry import TelemetryLog
-from cluster.adapters import request_desc, telemetry_cursor, worker_load, worker_telemetry
+from cluster.router.adapters import request_desc, telemetry_cursor, worker_load, worker_telemetry
 from cluster.config import SchedulerConfig
 from cluster.cost_model import StepCostPrior, StepTimeModel
 from cluster.descriptors import WorkerName

@@ -1,5 +1,5 @@
 """Failures on a live Ray deployment: 2 prefill + 2 decode actors on a tiny model, the scheduler actor,
-and a `PDClient` placing through it. In order, with streams in flight each time: a decode worker
+and a `Router` placing through it. In order, with streams in flight each time: a decode worker
 is killed, then a prefill worker, then the scheduler actor itself. Every request completes with
 exactly the tokens and text of a failure-free run (a single in-process engine, same seeds), the
 recoveries were issued least remaining SLO budget first, and the surviving workers hold no
@@ -19,15 +19,20 @@ import pytest
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
+from actors.engine.options import RequestOptions
 from actors.engine.sampling import SamplingParams
 from actors.messages import GenerationRequest, TokenEvent
-from actors.pd_client import PDClient
-from actors.recovery import PREFILLING, RecoveryConfig, RecoveryRecord
-from actors.worker_config import ClientConfig, WorkerConfig
+from actors.worker_config import WorkerConfig
 from cluster.config import SchedulerConfig
 from cluster.cost_model import StepCostPrior, StepTimeModel
 from cluster.descriptors import TenantId
-from cluster.link import LinkConfig, SchedulerPlacement
+from cluster.router.client import Router
+from cluster.router.config import RecoveryConfig, RouterConfig
+from cluster.router.flight import PREFILLING
+from cluster.router.link import SchedulerLink
+from cluster.router.link_config import LinkConfig
+from cluster.router.ray_handles import router_for
+from cluster.router.rounds import RecoveryRecord
 from cluster.tenants import InteractiveSlo, TenantConfig
 from tests.actors.workers.harness import random_tokens, streamed_ids, streamed_text
 from transfer.config import TransferConfig
@@ -40,7 +45,7 @@ NUM_TENANTS = 8
 # Tenant k: TTFT target 60 s x 2^k, TPOT target 0.1 s x 4^k. Far apart, so the order of remaining
 # budgets is decided by the tenant, not by a few milliseconds of timing noise, yet it is computed
 # from the requests' own progress below, never assumed.
-CLIENT = ClientConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60, load_ttl_s=0.1)
+CLIENT = RouterConfig(call_timeout_s=30, prefill_timeout_s=60, token_timeout_s=60, load_ttl_s=0.1)
 TTFT_S = [60.0 * 2**k for k in range(NUM_TENANTS)]
 TPOT_S = [0.1 * 4**k for k in range(NUM_TENANTS)]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -58,15 +63,15 @@ class Deployment:
     model: Path
     pd: object
     scheduler: object
-    link: SchedulerPlacement
-    client: PDClient
+    link: SchedulerLink
+    client: Router
     prefills: list[str] = field(default_factory=list)
     decodes: list[str] = field(default_factory=list)
     records_seen: int = 0
 
     def survivors(self) -> dict[str, object]:
         handles = {**self.pd.prefills, **self.pd.decodes}  # type: ignore[attr-defined]
-        return {n: h for n, h in handles.items() if n not in self.client.dead}
+        return {n: h for n, h in handles.items() if n not in self.client.board.dead}
 
     def new_records(self) -> list[RecoveryRecord]:
         records = self.client.recoveries.log[self.records_seen:]
@@ -92,9 +97,9 @@ def deployment(ray: ModuleType, model: Path, num_each: int, recovery: RecoveryCo
                   name_prefix=f"{prefix}-{uuid.uuid4().hex[:4]}")
     sched_cfg = sched_cfg or scheduler_config()
     scheduler = start_scheduler(sched_cfg, name=f"ferry-scheduler-{uuid.uuid4().hex[:6]}")
-    link = SchedulerPlacement(scheduler, LinkConfig(report_interval_s=0.05, admit_timeout_s=3.0, call_timeout_s=3.0,
+    link = SchedulerLink(scheduler, LinkConfig(report_interval_s=0.05, admit_timeout_s=3.0, call_timeout_s=3.0,
                                                     down_backoff_s=0.5), sched_cfg)
-    client = pd.client(CLIENT, link, recovery=recovery, replace_dead=replace_dead)
+    client = router_for(pd, CLIENT, control=link, recovery=recovery, replace_dead=replace_dead)
     try:
         yield Deployment(model, pd, scheduler, link, client, list(pd.prefills), list(pd.decodes))
     finally:
@@ -115,7 +120,8 @@ def reference(model: Path, reqs: list[GenerationRequest]) -> dict[str, tuple[lis
     """Tokens and text one in-process engine produces for each request, with the request's seed."""
     engine = Engine.from_pretrained(model, EngineConfig(num_blocks=1024, max_num_seqs=64))
     for r in reqs:
-        engine.add_request(r.request_id, list(r.prompt_token_ids), r.params, seed=r.seed, extra_keys=r.cache_salt)
+        engine.add_request(r.request_id, list(r.prompt_token_ids), r.params,
+                           RequestOptions(seed=r.seed, extra_keys=r.cache_salt))
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -288,7 +294,7 @@ def test_decode_worker_killed_with_eight_streams_in_flight(dep: Deployment) -> N
 
     streams = asyncio.run(run_with_failure(dep, reqs, strike))
     assert_same_as_failure_free(streams, want)
-    assert len(victims) >= 2 and set(dep.client.dead) == set(killed)
+    assert len(victims) >= 2 and set(dep.client.board.dead) == set(killed)
     records = dep.new_records()
     assert {r.request_id for r in records} == victims  # each victim recovered once, nobody else
     assert {r.dead for r in records} == {tuple(killed)}
@@ -323,7 +329,7 @@ def test_prefill_worker_killed_while_prefilling(dep: Deployment) -> None:
 
     streams = asyncio.run(run_with_failure(dep, reqs, strike))
     assert_same_as_failure_free(streams, want)
-    assert target in dep.client.dead
+    assert target in dep.client.board.dead
     records = dep.new_records()
     recovered = {r.request_id for r in records}
     # Requests caught prefilling there were recovered (one may have slipped out with its answer

@@ -28,16 +28,17 @@ import pytest
 from actors.engine.sampling import SamplingParams
 from actors.messages import GenerationRequest
 from actors.messages import WorkerLoad as ActorLoad
-from actors.placement import PlacementChoice
-from actors.recovery import DECODING, PREEMPTED, InFlight
-from cluster.adapters import flight_state, request_desc
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestId, TenantId, WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import RequestId, TenantId, WorkerKind, WorkerReport, WorkerName
 from cluster.flights import EventKind, FlightEvent, ReportAck
 from cluster.journal import Phase
-from cluster.link import LinkConfig, SchedulerPlacement
 from cluster.ordering import PriorityKey
 from cluster.placement import Placement, PlacementConfig
+from cluster.router.adapters import flight_state, request_desc
+from cluster.router.choice import LeastLoaded, PlacementChoice
+from cluster.router.flight import DECODING, PREEMPTED, InFlight
+from cluster.router.link import SchedulerLink
+from cluster.router.link_config import LinkConfig
 from cluster.service import SchedulerService
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
 from cluster.timeline import Stage
@@ -52,8 +53,8 @@ def config(max_rows: int = 2) -> SchedulerConfig:
                            placement=PlacementConfig(max_num_seqs=max_rows))
 
 
-def loads() -> list[WorkerLoad]:
-    return [WorkerLoad(WorkerName(n), WorkerKind.PREFILL if n.startswith("p") else WorkerKind.DECODE,
+def loads() -> list[WorkerReport]:
+    return [WorkerReport(WorkerName(n), WorkerKind.PREFILL if n.startswith("p") else WorkerKind.DECODE,
                        0, 0, 1000, 1000, 16, True, time.time()) for n in ("p0", "d0")]
 
 
@@ -183,13 +184,13 @@ def test_a_preempted_request_no_ingress_streams_is_cancelled_when_resumed() -> N
 # ---- the link -------------------------------------------------------------------------------
 
 class _Source:
-    """The caller's side as the link sees it: flights, loads, and what was preempted/resumed."""
+    """The router's side as the link sees it: flights, loads, and what was preempted/resumed."""
 
     def __init__(self, flights: list[InFlight]) -> None:
         self.flights = {f.request_id: f for f in flights}
         self.lds = [ActorLoad(n, "prefill" if n[0] == "p" else "decode", 0, 0, 0, 100, 100, 0.0, True)
                     for n in ("p0", "d0", "d1")]
-        self.resumed: dict[str, PlacementChoice] = {}
+        self.resumed: dict[str, Placement] = {}
 
     def in_flight(self) -> list[InFlight]:
         return list(self.flights.values())
@@ -209,8 +210,8 @@ class _Source:
         f.preempt()
         return True
 
-    def resume(self, rid: str, choice: PlacementChoice) -> bool:
-        self.resumed[rid] = choice
+    def resume(self, rid: str, decided: Placement) -> bool:
+        self.resumed[rid] = decided
         return True
 
 
@@ -252,26 +253,30 @@ def test_the_link_stops_its_victims_readopts_those_that_cannot_stop_and_relays_r
     actor = _Actor(placement("o1", preempt=("v1", "v2", "gone")), acks)
     source = _Source([stopping, moving, other])
 
-    async def main() -> PlacementChoice:
-        link = SchedulerPlacement(actor, LinkConfig(ready_timeout_s=0.1, report_interval_s=60.0), config())  # type: ignore[arg-type]
+    async def main() -> Placement | None:
+        link = SchedulerLink(actor, LinkConfig(ready_timeout_s=0.1, report_interval_s=60.0), config())  # type: ignore[arg-type]
         link.attach(source)
         try:
-            choice = await link.admit(request("o1", "online"), [w for w in source.lds if w.kind == "prefill"],
-                                      [w for w in source.lds if w.kind == "decode"])
+            decided = await link.admit(request("o1", "online"))
             # The reporter started by `admit` and these calls take the acks in turn: first another
             # ingress's request took v3's row, then v1 runs again on d1.
             for _ in range(3):
                 await link.report_once()
             assert link.stats.num_preempted == 2 and link.stats.num_not_preempted == 1
             assert link.stats.num_resumed == 1
-            return choice
+            return decided
         finally:
             link.close()
 
-    assert asyncio.run(main()).decodes[0] == "d0"
+    decided = asyncio.run(main())
+    assert decided is not None and decided.decode_worker == "d0"
     assert stopping.phase == PREEMPTED and other.phase == PREEMPTED and moving.phase == "prefilling"
     # A resume runs on its decode worker, recomputing in the scheduler's chunks.
-    assert source.resumed == {"v1": PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48, priority=(0, 0.0))}
+    assert list(source.resumed) == ["v1"]
+    prefills = [w for w in source.lds if w.kind == "prefill"]
+    decodes = [w for w in source.lds if w.kind == "decode"]
+    choice = LeastLoaded().place(stopping.resume_request(), prefills, decodes, decided=source.resumed["v1"])
+    assert choice == PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48, priority=(0, 0.0))
     readopted = [e for batch in actor.batches.values() for e in batch if e.kind is EventKind.ADOPT]
     # The scheduler learns v2 still runs: when it could not stop, and again when it was "resumed".
     assert [e.request_id for e in readopted] == ["v2", "v2"] and "v2" not in source.resumed
@@ -287,7 +292,7 @@ LIVE_TENANTS = (TenantConfig(TenantId("online"), slo=InteractiveSlo(ttft_ms=60_0
 
 @pytest.fixture(scope="module")
 def live(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[Any]:
-    from actors.recovery import RecoveryConfig
+    from cluster.router.config import RecoveryConfig
     from tests.cluster.ray.test_failures import deployment
 
     cfg = SchedulerConfig(tenants=LIVE_TENANTS, default_tenant=None, heartbeat_timeout_s=30.0,

@@ -1,5 +1,5 @@
 """Replacing dead workers on a live Ray deployment: what `ferry serve` runs, scaled down to a tiny
-model. 1 prefill + 1 decode actor, the scheduler actor, and a `PDClient` that replaces every
+model. 1 prefill + 1 decode actor, the scheduler actor, and a `Router` that replaces every
 worker it declares dead. The lone decode worker is killed with streams in flight: no other worker
 can take them, so they wait for its replacement and finish with exactly the tokens and text of a
 failure-free run. Then the lone prefill worker is killed between requests: the client notices on
@@ -20,8 +20,9 @@ from types import ModuleType
 import pytest
 
 from actors.messages import GenerationRequest
-from actors.recovery import RecoveryConfig
 from actors.worker_config import WorkerConfig
+from cluster.router.config import RecoveryConfig
+from cluster.router.ray_handles import router_for
 from tests.actors.workers.harness import random_tokens
 from tests.cluster.ray.test_failures import (CLIENT, GREEDY, Deployment, Stream, assert_no_leaks,
                                              assert_same_as_failure_free, deployment, make_requests, reference,
@@ -54,8 +55,9 @@ def test_lone_decode_worker_killed_with_streams_in_flight_is_replaced_and_they_f
     streams = asyncio.run(run_with_failure(dep, reqs, strike))
     assert_same_as_failure_free(streams, want)
     new = dep.pd.decodes[name]  # type: ignore[attr-defined]
-    assert new is not old and dep.client.decodes[name] is new
-    assert dep.client.num_replaced == 1 and not dep.client.dead and not dep.client.replacing
+    reps = dep.client.replacements
+    assert new is not old and dep.client.decodes[name].actor is new  # type: ignore[attr-defined]
+    assert reps is not None and reps.num_replaced == 1 and not dep.client.board.dead and not reps.replacing
     records = dep.new_records()
     assert {r.request_id for r in records} == {r.request_id for r in reqs}  # every stream lost its worker
     assert all(r.decode == name and 12 <= r.num_streamed for r in records)
@@ -75,8 +77,10 @@ def test_lone_prefill_worker_killed_between_requests_is_replaced_and_prefills_ag
 
     async def main() -> list[Stream]:
         deadline = time.monotonic() + 120
-        while dep.client.num_replaced < 2:  # load polls find the dead actor and start a replacement
-            assert time.monotonic() < deadline, ("no replacement", dep.client.dead, list(dep.client.replacing))
+        reps = dep.client.replacements
+        assert reps is not None
+        while reps.num_replaced < 2:  # load polls find the dead actor and start a replacement
+            assert time.monotonic() < deadline, ("no replacement", dep.client.board.dead, list(reps.replacing))
             await dep.client.loads()
             await asyncio.sleep(0.1)
         out = [Stream(r) for r in reqs]
@@ -87,7 +91,7 @@ def test_lone_prefill_worker_killed_between_requests_is_replaced_and_prefills_ag
     streams = asyncio.run(main())
     assert_same_as_failure_free({s.req.request_id: s for s in streams}, want)
     new = dep.pd.prefills[name]  # type: ignore[attr-defined]
-    assert new is not old and dep.client.prefills[name] is new and not dep.client.dead
+    assert new is not old and dep.client.prefills[name].actor is new and not dep.client.board.dead  # type: ignore[attr-defined]
     for r in reqs:  # handed off: prefilled by the new actor, which learned the decode endpoint
         result = dep.client.prefill_result(r.request_id)
         assert result is not None and result.worker == name and result.num_computed_tokens > 0
@@ -98,11 +102,10 @@ def test_colocated_worker_killed_mid_stream_is_replaced(ray_cluster: ModuleType,
     import ray
 
     from actors.ray_actors import start_colocated
-    from deploy.cluster_backend import LocalOnly
 
     pd = start_colocated(worker_config(tiny_model_dir), torch_threads=1, name_prefix=f"colo-{uuid.uuid4().hex[:4]}")
     try:
-        client = pd.client(CLIENT, LocalOnly(), recovery=RECOVERY, replace_dead=True)  # as the colocated app
+        client = router_for(pd, CLIENT, recovery=RECOVERY, replace_dead=True)  # as the colocated app
         dep = Deployment(tiny_model_dir, pd, None, None, client)  # type: ignore[arg-type]
         reqs = make_requests("rc", [9, 30], seed=7000)
         want = reference(tiny_model_dir, reqs)
@@ -116,7 +119,9 @@ def test_colocated_worker_killed_mid_stream_is_replaced(ray_cluster: ModuleType,
 
         streams = asyncio.run(run_with_failure(dep, reqs, strike))
         assert_same_as_failure_free(streams, want)
-        assert client.num_replaced == 1 and pd.decodes[name] is not old and client.decodes[name] is pd.decodes[name]
+        reps = client.replacements
+        assert reps is not None and reps.num_replaced == 1 and pd.decodes[name] is not old
+        assert client.decodes[name].actor is pd.decodes[name]  # type: ignore[attr-defined]
         assert_no_leaks(dep)
     finally:
         pd.shutdown()

@@ -13,16 +13,18 @@ import pytest
 from actors.engine.sampling import SamplingParams
 from actors.messages import GenerationRequest
 from actors.messages import WorkerLoad as ActorLoad
-from actors.placement import PlacementChoice, PlacementRefused
-from actors.recovery import DECODING, PREFILLING, InFlight, RecoveryConfig, RecoveryCoordinator
-from cluster.adapters import flight_state, refusal_error, request_desc, worker_load
 from cluster.admission import Refusal, RefusalReason
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestId, TenantId, WorkerKind, WorkerLoad, WorkerName
+from cluster.descriptors import RequestId, TenantId, WorkerKind, WorkerReport, WorkerName
 from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.journal import Phase
-from cluster.link import SchedulerPlacement
 from cluster.placement import Placement, PlacementKind
+from cluster.router.adapters import flight_state, refusal_error, request_desc, worker_load
+from cluster.router.choice import LeastLoaded, PlacementChoice, PlacementRefused
+from cluster.router.config import RecoveryConfig
+from cluster.router.flight import DECODING, PREFILLING, InFlight
+from cluster.router.link import SchedulerLink
+from cluster.router.rounds import RecoveryCoordinator
 from cluster.service import SchedulerService
 from cluster.tenants import InteractiveSlo, TenantConfig
 
@@ -36,8 +38,8 @@ def config() -> SchedulerConfig:
     return SchedulerConfig(tenants=TENANTS, default_tenant=None, heartbeat_timeout_s=60.0)
 
 
-def loads(*names: str) -> list[WorkerLoad]:
-    return [WorkerLoad(WorkerName(n), WorkerKind.PREFILL if n.startswith("p") else WorkerKind.DECODE,
+def loads(*names: str) -> list[WorkerReport]:
+    return [WorkerReport(WorkerName(n), WorkerKind.PREFILL if n.startswith("p") else WorkerKind.DECODE,
                        0, 0, 1000, 1000, 16, True, time.time()) for n in names]
 
 
@@ -125,14 +127,12 @@ def test_recover_orders_by_remaining_budget_and_avoids_the_dead_worker() -> None
 
 
 def test_local_recovery_plan_uses_the_same_order() -> None:
-    link = SchedulerPlacement(actor=None, sched_cfg=config())  # type: ignore[arg-type]  (never called)
+    link = SchedulerLink(actor=None, sched_cfg=config())  # type: ignore[arg-type]  (never called)
     flights = [running("s-far", "slow", "d0", 20, 2.0), running("f-late", "fast", "d0", 10, 2.0),
                running("f-ok", "fast", "d0", 40, 2.0)]
-    lds = [ActorLoad("p0", "prefill", 0, 0, 0, 100, 100, 0.0, True), ActorLoad("d0", "decode", 0, 0, 0, 0, 0, 0.0, False),
-           ActorLoad("d1", "decode", 0, 0, 0, 100, 100, 0.0, True)]
-    plan = link._local_plan(flights, lds[:1], lds[1:])
+    plan = link._local_plan(flights)
     assert [f.request_id for f, _ in plan] == ["f-late", "f-ok", "s-far"]
-    assert all(isinstance(c, PlacementChoice) and c.decodes == ("d1",) and c.prefill is None for _, c in plan)
+    assert all(decided is None for _, decided in plan)  # the router's policy places each one
 
 
 def test_adapters() -> None:
@@ -245,7 +245,7 @@ def test_a_resume_replays_tokens_whose_text_was_held_back_and_shows_them_once() 
     g.on_event(_event("b", (5,), "", "", (5,)))
     g.next_attempt()  # nothing shown yet: the resume starts from scratch
     assert g.attempt_request().output_token_ids == () and g.attempt_request().needs_handoff
-    from actors.recovery import ReplayMismatch
+    from cluster.router.flight import ReplayMismatch
 
     with pytest.raises(ReplayMismatch):
         g.on_event(_event("b~r1", (6,), "y", "y", (6,)))
@@ -254,7 +254,7 @@ def test_a_resume_replays_tokens_whose_text_was_held_back_and_shows_them_once() 
 
 def test_the_slo_class_header_downgrades_a_request_to_batch_for_its_task_only() -> None:
     from cluster.descriptors import SloClass
-    from cluster.link import slo_class_override
+    from cluster.router.link import slo_class_override
     from deploy.apps import SloClassHeader
 
     seen: list[object] = []
@@ -301,25 +301,27 @@ class _Source:
 
 
 def test_without_the_actor_requests_are_placed_locally_and_adopted_later() -> None:
-    from cluster.link import LinkConfig
+    from cluster.router.link_config import LinkConfig
 
     lds = [ActorLoad("p0", "prefill", 0, 0, 0, 100, 100, 0.0, True), ActorLoad("d0", "decode", 0, 0, 0, 100, 100, 0.0, True)]
 
-    async def main() -> tuple[PlacementChoice, SchedulerPlacement, InFlight]:
-        link = SchedulerPlacement(_Down(), LinkConfig(ready_timeout_s=0.5, report_interval_s=0.05),  # type: ignore[arg-type]
+    async def main() -> tuple[PlacementChoice, SchedulerLink, InFlight]:
+        link = SchedulerLink(_Down(), LinkConfig(ready_timeout_s=0.5, report_interval_s=0.05),  # type: ignore[arg-type]
                                   config())
         flight = InFlight(request("a"))
         link.attach(_Source([flight], lds))
         t0 = time.monotonic()
-        choice = await link.admit(flight.req, lds[:1], lds[1:])
+        decided = await link.admit(flight.req)
         assert time.monotonic() - t0 < 2.0  # bounded: the data path never waits on a dead actor
+        assert decided is None  # the router's policy places it
+        choice = LeastLoaded().place(flight.req, lds[:1], lds[1:])
         flight.place(choice.prefill, choice.decodes[0], PREFILLING)
         link.on_placed(flight)
         link.close()
         return choice, link, flight
 
     choice, link, flight = asyncio.run(main())
-    assert choice == PlacementChoice("p0", ("d0",), priority=(0, flight.req.arrival_time))  # no scheduler: by arrival
+    assert choice == PlacementChoice("p0", ("d0",)) and link.fallback_rank(flight.req) == 0  # interactive
     assert link.stats.num_fallback == 1 and not link.available
     # The truth is queued for the actor (an ADOPT), kept until an ack, superseded by a rebuild.
     events = [e for _, batch in link._pending for e in batch] + link._events
@@ -348,7 +350,7 @@ class _Answers:
 
 
 def test_a_prefill_placed_on_its_decode_worker_runs_there_whole() -> None:
-    from cluster.link import LinkConfig
+    from cluster.router.link_config import LinkConfig
     from cluster.ordering import PriorityKey
 
     lds = [ActorLoad(n, "prefill" if n[0] == "p" else "decode", 0, 0, 0, 100, 100, 0.0, True) for n in ("p0", "d0", "d1")]
@@ -357,12 +359,14 @@ def test_a_prefill_placed_on_its_decode_worker_runs_there_whole() -> None:
     assert placed.local
 
     async def main() -> PlacementChoice:
-        link = SchedulerPlacement(_Answers(placed), LinkConfig(), config())  # type: ignore[arg-type]
+        link = SchedulerLink(_Answers(placed), LinkConfig(), config())  # type: ignore[arg-type]
         link.attach(_Source([], lds))
         try:
-            return await link.admit(request("a"), lds[:1], lds[1:])
+            decided = await link.admit(request("a"))
         finally:
             link.close()
+        assert decided == placed
+        return LeastLoaded().place(request("a"), lds[:1], lds[1:], decided=decided)
 
-    # ... in chunks of the scheduler's size (pd_client hands it to the engine as max_chunk_tokens).
+    # ... in chunks of the scheduler's size (the router hands it to the engine as max_chunk_tokens).
     assert asyncio.run(main()) == PlacementChoice(None, ("d1", "d0"), local_chunk_tokens=48, priority=(0, 0.0))

@@ -1,4 +1,4 @@
-"""The ingress link's settings (`LinkConfig`) and counters (`LinkStats`); see `cluster/link.py`."""
+"""The ingress link's settings (`LinkConfig`) and counters (`LinkStats`); see `cluster/router/link.py`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""SchedulerPlacement: the ingress's side of the scheduler actor, behind `PDClient`'s placement seam.
+"""SchedulerLink: the ingress's side of the scheduler actor, the router's `ControlPlane`.
 
 Mental model: the data path never waits on the control plane for more than one bounded call per
 request. `admit` asks the actor for a placement with a deadline (`admit_timeout_s`); a refusal
 becomes `PlacementRefused` (HTTP 429 + Retry-After and friends); no answer (the actor restarting,
-or slow) means the request is placed locally (`LeastLoaded`) and the actor is left alone for
+or slow) means the router places the request with its local policy and the actor is left alone for
 `down_backoff_s`. Everything else is off the hot path: notifications (placed, stages, tokens,
 done) are buffered and sent, with the workers' loads as heartbeats, by one background reporter
 every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. Every
@@ -16,14 +16,15 @@ depend on the actor being up, and the actor's view is rebuilt from the ingress's
 
 Preemption is live: the batch rows the scheduler evicts for an interactive request (this
 request's `Placement.preempt`, or a notice in a report acknowledgement when another ingress's
-request took them) are stopped through the caller (`FlightSource.preempt`); rows that cannot stop
+request took them) are stopped through the router (`FlightSource.preempt`); rows that cannot stop
 now (their KV is still on its way) are re-adopted, so the scheduler knows they still run. When the
-scheduler resumes a preempted request (a notice), the caller runs it where the placement says.
+scheduler resumes a preempted request (a notice), the router runs it where the placement says.
 Notices are numbered; each report says which ones this ingress has seen, so none is lost with an
 acknowledgement and none is acted on twice.
 
 Recoveries ask the actor for its plan (most urgent remaining SLO budget first); without it the
-same ordering (`Journal.recovery_plan`) is computed here from the tenants' SLOs.
+same ordering (`Journal.recovery_plan`) is computed here from the tenants' SLOs, and the router
+places each request with its local policy.
 
 A request's SLO class is its tenant's, unless the caller downgraded it to batch: the HTTP layer
 sets `slo_class_override` (a context variable, so it follows the request's task) from the
@@ -38,35 +39,34 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from actors.handoff import prompt_block_hashes
-from actors.messages import GenerationRequest, TelemetryCursor, WorkerLoad
-from actors.placement import FlightSource, LeastLoaded, NoWorkers, PlacementChoice
-from actors.recovery import PREEMPTED, InFlight
-from cluster.adapters import (flight_state, refusal_error, request_desc, telemetry_cursor, worker_load,
-                              worker_telemetry)
+from actors.messages import GenerationRequest, TelemetryCursor
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
 from cluster.descriptors import RequestId, SloClass, WorkerName
 from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.journal import Journal, JournalEntry
-from cluster.link_config import LinkConfig, LinkStats
 from cluster.placement import Placement
+from cluster.router.adapters import (flight_state, refusal_error, request_desc, telemetry_cursor, worker_load,
+                                     worker_telemetry)
+from cluster.router.choice import NoWorkers
+from cluster.router.control import FlightSource, Planned
+from cluster.router.flight import PREEMPTED, InFlight
+from cluster.router.link_config import LinkConfig, LinkStats
 from cluster.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
-Outcome = PlacementChoice | BaseException
 _DEAD = WorkerName("~dead")  # where the local recovery plan files the victims
 
 slo_class_override: contextvars.ContextVar[SloClass | None] = contextvars.ContextVar("ferry_slo_class", default=None)
 
 
-class SchedulerPlacement:
-    """`actors.placement.ScheduledPlacement` over the scheduler actor (`cluster/actor.py`)."""
+class SchedulerLink:
+    """The router's `ControlPlane` over the scheduler actor (`cluster/actor.py`)."""
 
     def __init__(self, actor: ActorHandle, cfg: LinkConfig | None = None, sched_cfg: SchedulerConfig | None = None) -> None:
         self.actor = actor
@@ -80,7 +80,6 @@ class SchedulerPlacement:
                            sched_cfg.placement.hash_block_size, self.cfg.block_size)
         self._batch_deadline_s = sched_cfg.batch_deadline_s
         self.preempt_batch = sched_cfg.placement.preempt_batch
-        self.local = LeastLoaded()
         self.stats = LinkStats()
         self._source: FlightSource | None = None
         self._assigned: dict[str, tuple[str | None, str]] = {}  # the scheduler's (prefill, decode)
@@ -104,8 +103,7 @@ class SchedulerPlacement:
 
     # ---- decisions ---------------------------------------------------------------------------
 
-    async def admit(self, req: GenerationRequest, prefills: Sequence[WorkerLoad],
-                    decodes: Sequence[WorkerLoad]) -> PlacementChoice:
+    async def admit(self, req: GenerationRequest) -> Placement | None:
         self._start()
         slo_class = slo_class_override.get()
         if slo_class is not None:
@@ -132,31 +130,14 @@ class SchedulerPlacement:
                 self._assigned[req.request_id] = (out.prefill_worker, out.decode_worker)
                 if out.preempt:
                     self._preempt(out.preempt)
-                return self._choice(req, out.prefill_worker, out.decode_worker, prefills, decodes,
-                                    out.local_chunk_tokens, (out.priority.class_rank, out.priority.key_s))
+                return out
         self.stats.num_fallback += 1
-        local = self.local.place(req, prefills, decodes)
-        rank = 1 if self._classes.get(req.request_id) is SloClass.BATCH else 0
-        return replace(local, priority=(rank, req.arrival_time))
+        return None
 
-    def _choice(self, req: GenerationRequest, prefill: str | None, decode: str, prefills: Sequence[WorkerLoad],
-                decodes: Sequence[WorkerLoad], chunk_tokens: int | None = None,
-                priority: tuple[int, float] | None = None) -> PlacementChoice:
-        """The scheduler's choice first, then the rest by load; workers this ingress has seen
-        dead are skipped even if the scheduler has not heard yet. A prefill placed on the decode
-        worker itself (`Placement.local`) means no handoff: the decode worker runs it whole, in
-        chunks of at most `chunk_tokens` (`Placement.local_chunk_tokens`)."""
-        local = self.local.place(req, prefills, decodes)
-        healthy = {w.name for w in (*prefills, *decodes) if w.healthy}
-        first = (decode,) if decode in healthy else ()
-        chosen_prefill = None
-        if local.prefill is not None and not (prefill == decode and first):
-            chosen_prefill = prefill if prefill in healthy else local.prefill
-        return PlacementChoice(chosen_prefill, first + tuple(d for d in local.decodes if d != decode),
-                               chunk_tokens if chosen_prefill is None and first else None, priority)
+    def fallback_rank(self, req: GenerationRequest) -> int:
+        return 1 if self._classes.get(req.request_id) is SloClass.BATCH else 0
 
-    async def recover(self, dead: frozenset[str], flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
-                      decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:
+    async def recover(self, dead: frozenset[str], flights: Sequence[InFlight]) -> list[tuple[InFlight, Planned]]:
         self._start()
         victims = {f.request_id for f in flights}
         self._events = [e for e in self._events if e.request_id not in victims]  # the states supersede them
@@ -171,34 +152,29 @@ class SchedulerPlacement:
                 self._mark_down(e)
             else:
                 self.stats.num_recover_calls += 1
-                return self._plan_from(outs, flights, prefills, decodes)
+                return self._plan_from(outs, flights)
         self.stats.num_recover_fallback += 1
-        return self._local_plan(flights, prefills, decodes)
+        return self._local_plan(flights)
 
-    def _plan_from(self, outs: Sequence[object], flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
-                   decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:
+    def _plan_from(self, outs: Sequence[Placement | Refusal], flights: Sequence[InFlight]) -> list[tuple[InFlight, Planned]]:
         by_id = {f.request_id: f for f in flights}
-        plan: list[tuple[InFlight, Outcome]] = []
+        plan: list[tuple[InFlight, Planned]] = []
         for out in outs:
-            flight = by_id.pop(out.request_id, None)  # type: ignore[attr-defined]
+            flight = by_id.pop(out.request_id, None)
             if flight is None:
                 continue
             if isinstance(out, Refusal):
                 plan.append((flight, refusal_error(out)))
                 continue
-            self._assigned[flight.request_id] = (out.prefill_worker, out.decode_worker)  # type: ignore[attr-defined]
-            try:
-                plan.append((flight, self._choice(flight.resume_request(), out.prefill_worker,  # type: ignore[attr-defined]
-                                                  out.decode_worker, prefills, decodes)))  # type: ignore[attr-defined]
-            except NoWorkers as e:
-                plan.append((flight, e))
+            self._assigned[flight.request_id] = (out.prefill_worker, out.decode_worker)
+            plan.append((flight, out))
         if by_id:  # the scheduler did not answer for them (cannot happen unless it is a newer version)
-            plan.extend(self._local_plan(list(by_id.values()), prefills, decodes))
+            plan.extend(self._local_plan(list(by_id.values())))
         return plan
 
-    def _local_plan(self, flights: Sequence[InFlight], prefills: Sequence[WorkerLoad],
-                    decodes: Sequence[WorkerLoad]) -> list[tuple[InFlight, Outcome]]:
-        """The scheduler's recovery ordering, computed here from the tenants' SLOs."""
+    def _local_plan(self, flights: Sequence[InFlight]) -> list[tuple[InFlight, Planned]]:
+        """The scheduler's recovery ordering, computed here from the tenants' SLOs; the router
+        places each one with its local policy."""
         now = time.time()
         journal, unknown = Journal(), []
         by_id = {f.request_id: f for f in flights}
@@ -213,13 +189,7 @@ class SchedulerPlacement:
             entry.decode_worker = _DEAD
             journal.add(entry)
         ordered = [by_id[e.request_id] for e in journal.recovery_plan(_DEAD, now)] + unknown
-        plan: list[tuple[InFlight, Outcome]] = []
-        for flight in ordered:
-            try:
-                plan.append((flight, self.local.place(flight.resume_request(), prefills, decodes)))
-            except NoWorkers as e:
-                plan.append((flight, e))
-        return plan
+        return [(flight, None) for flight in ordered]
 
     # ---- notifications (never block, never raise) -------------------------------------------
 
@@ -298,26 +268,23 @@ class SchedulerPlacement:
         if running:  # tell the scheduler they still run
             self._readopt(running)
 
-    def _resume(self, placements: Sequence[Placement], loads: dict[str, WorkerLoad]) -> None:
+    def _resume(self, placements: Sequence[Placement]) -> None:
         """Runs preempted requests where the scheduler placed them again."""
         flights = {f.request_id: f for f in (self._source.in_flight() if self._source else [])}
-        prefills = [w for w in loads.values() if w.kind == "prefill"]
-        decodes = [w for w in loads.values() if w.kind == "decode"]
         for p in placements:
             flight = flights.get(p.request_id)
-            if flight is None:
+            if flight is None or self._source is None:
                 continue  # finished or cancelled meanwhile (its event tells the scheduler)
             if flight.phase != PREEMPTED:  # never stopped (its submit's answer was lost): it runs where it is
                 self._readopt([p.request_id])
                 continue
             try:
-                choice = self._choice(flight.resume_request(), p.prefill_worker, p.decode_worker, prefills, decodes,
-                                      p.local_chunk_tokens, (p.priority.class_rank, p.priority.key_s))
+                resumed = self._source.resume(p.request_id, p)
             except NoWorkers:
                 self._readopt([p.request_id])  # still preempted: the scheduler queues it again
                 continue
             self._assigned[p.request_id] = (p.prefill_worker, p.decode_worker)
-            if self._source is not None and self._source.resume(p.request_id, choice):
+            if resumed:
                 self.stats.num_resumed += 1
 
     def _take_events(self) -> list[FlightEvent]:
@@ -398,7 +365,7 @@ class SchedulerPlacement:
             if ack.preempt:
                 self._preempt(ack.preempt)
             if ack.resume:
-                self._resume(ack.resume, loads)
+                self._resume(ack.resume)
         if ack.needs_rebuild:
             # Everything not applied is superseded by the states taken now, in the same step.
             self._pending.clear()

@@ -1,7 +1,7 @@
 """Adapters: the data plane's types (`actors/`) as the control plane's descriptors.
 
 Mental model: `cluster/` decides on small plain facts; these functions are the one place that
-reads `actors.messages` / `actors.recovery` objects and writes `cluster.descriptors` /
+reads `actors.messages` / `cluster.router.flight` objects and writes `cluster.descriptors` /
 `cluster.flights` ones (and turns a scheduler refusal into the data plane's exception). They
 run on the ingress side, never in the scheduler actor, which therefore never imports torch.
 """
@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from actors.messages import GenerationRequest, Telemetry, TelemetryCursor
 from actors.messages import WorkerLoad as ActorWorkerLoad
-from actors.placement import PlacementRefused
-from actors.recovery import DECODING, PREEMPTED, PREFILLING, InFlight
 from cluster.admission import Refusal
-from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, TenantId, WorkerKind, WorkerLoad,
+from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, TenantId, WorkerKind, WorkerReport,
                                  WorkerName, WorkerTelemetry)
 from cluster.flights import FlightState
 from cluster.journal import Phase
+from cluster.router.choice import PlacementRefused
+from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight
 
 _PHASES = {PREFILLING: Phase.PREFILLING, DECODING: Phase.DECODING, PREEMPTED: Phase.PREEMPTED}
 
 
-def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerLoad:
+def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerReport:
     """A worker's report: requests announced to a decode worker whose KV has not landed count
     as waiting."""
-    return WorkerLoad(
+    return WorkerReport(
         name=WorkerName(load.name), kind=WorkerKind(load.kind), num_running=load.num_running,
         num_waiting=load.num_waiting + load.num_reserved,
         num_free_blocks=max(0, min(load.num_free_blocks, load.num_total_blocks)),

@@ -3,7 +3,7 @@
 Mental model: a decode worker refuses an announce while all its rows (running + reserved) are
 taken. Answering the client 429 at that moment is what a router without a queue does; under load
 a row frees every few hundred milliseconds, so a serving system queues the request instead, for
-a bounded time. `RoomQueue` is that queue, one per caller (`PDClient`). A refused request takes a
+a bounded time. `RoomQueue` is that queue, one per router (`Router`). A refused request takes a
 ticket ordered by its priority (SLO class rank first: interactive before batch; then its key, the
 scheduler's urgency or its arrival time) and only the head of the queue asks again: when a row of
 this caller frees (`release`), or every `poll_s` (rows freed by other callers' requests). The head

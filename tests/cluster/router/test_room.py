@@ -1,4 +1,4 @@
-"""Waiting for a decode row (`actors/room.py`, `PDClient._announce_queued`), against hand-made
+"""Waiting for a decode row (`cluster/router/room.py`, `Router._announce_queued`), against hand-made
 worker handles (no Ray): a request refused for lack of rows waits and gets the next free row
 instead of a 429; interactive requests get rows before batch ones that waited longer; a new
 request does not jump the queue unless it outranks it; a wait past `room_wait_s` is refused;
@@ -15,12 +15,11 @@ import pytest
 from actors.engine.sampling import SamplingParams
 from actors.errors import NoCapacity
 from actors.messages import GenerationRequest
-from actors.pd_client import PDClient
-from actors.placement import PlacementChoice
-from actors.recovery import DECODING, PREEMPTED, InFlight
-from actors.room import RoomQueue
-from actors.worker_config import ClientConfig
-from tests.actors.workers.test_replacement import Method
+from cluster.router.choice import PlacementChoice
+from cluster.router.client import Router
+from cluster.router.config import RouterConfig
+from cluster.router.flight import DECODING, PREEMPTED, InFlight
+from cluster.router.room import RoomQueue
 
 
 def test_only_the_most_urgent_waiter_is_woken_and_the_next_one_when_it_leaves() -> None:
@@ -62,21 +61,29 @@ def test_a_turn_times_out_and_polling_finds_rows_freed_elsewhere() -> None:
 
 
 class Decode:
-    """A decode worker with `rows` rows: announce takes one or says no; `free` gives one back."""
+    """A decode worker handle with `rows` rows: announce takes one or says no; `free` gives one
+    back; abort frees the request's row."""
+
+    name = "d0"
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
         self.taken: list[str] = []
         self.granted: list[str] = []  # every row given, in order
 
-        async def announce(req: GenerationRequest) -> bool:
-            if len(self.taken) >= self.rows:
-                return False
-            self.taken.append(req.request_id)
-            self.granted.append(req.request_id)
-            return True
+    async def announce(self, req: GenerationRequest) -> bool:
+        if len(self.taken) >= self.rows:
+            return False
+        self.taken.append(req.request_id)
+        self.granted.append(req.request_id)
+        return True
 
-        self.announce = Method(announce)
+    def abort(self, rid: str) -> asyncio.Future[bool]:
+        if rid in self.taken:
+            self.taken.remove(rid)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(True)
+        return done
 
     def free(self) -> None:
         self.taken.pop(0)
@@ -86,8 +93,8 @@ def request(rid: str) -> GenerationRequest:
     return GenerationRequest(rid, list(range(4, 20)), SamplingParams(max_tokens=4))
 
 
-def client(decode: Decode, room_wait_s: float = 5.0) -> PDClient:
-    c = PDClient({}, {"d0": decode}, ClientConfig(room_wait_s=room_wait_s))  # type: ignore[dict-item]
+def client(decode: Decode, room_wait_s: float = 5.0) -> Router:
+    c = Router({}, {"d0": decode}, RouterConfig(room_wait_s=room_wait_s))  # type: ignore[dict-item]
     c.room.poll_s = 0.02
     return c
 
@@ -95,7 +102,7 @@ def client(decode: Decode, room_wait_s: float = 5.0) -> PDClient:
 def test_refused_requests_wait_for_rows_interactive_first() -> None:
     decode = Decode(rows=1)
 
-    async def main() -> PDClient:
+    async def main() -> Router:
         c = client(decode)
 
         async def ask(rid: str, priority: tuple[int, float]) -> str:
@@ -133,7 +140,7 @@ def test_a_wait_past_room_wait_s_is_refused_and_zero_refuses_at_once() -> None:
 
 
 class Scheduled:
-    """A `ScheduledPlacement` that only records what the client tells it."""
+    """A `ControlPlane` that only records what the router tells it."""
 
     available = True
 
@@ -143,6 +150,7 @@ class Scheduled:
 
     def attach(self, source: object) -> None: ...
     async def admit(self, *a: object) -> None: ...
+    def fallback_rank(self, *a: object) -> int: return 0
     async def recover(self, *a: object) -> None: ...
     def on_placed(self, flight: object) -> None: ...
     def on_stage(self, *a: object) -> None: ...
@@ -156,24 +164,18 @@ class Scheduled:
 def test_an_interactive_request_without_a_row_stops_the_cheapest_batch_row_of_its_client() -> None:
     decode = Decode(rows=2)
 
-    async def abort(rid: str) -> bool:
-        decode.taken.remove(rid)
-        return True
-
-    decode.abort = Method(abort)  # type: ignore[attr-defined]
-
-    async def main(scheduled: Scheduled) -> tuple[str, PDClient]:
-        c = PDClient({}, {"d0": decode}, ClientConfig(room_wait_s=5.0), placement=scheduled)  # type: ignore[dict-item, arg-type]
-        assert c.scheduled is scheduled
+    async def main(scheduled: Scheduled) -> tuple[str, Router]:
+        c = Router({}, {"d0": decode}, RouterConfig(room_wait_s=5.0), control=scheduled)  # type: ignore[dict-item, arg-type]
+        assert c.control is scheduled
         c.room.poll_s = 0.02
         for rid, streamed in (("long", 30), ("short", 3)):  # two batch rows decoding on d0
             f = c.flights[rid] = InFlight(request(rid))
             f.place(None, "d0", DECODING)
             f.priority_rank, f.streamed = 1, list(range(streamed))
             f.mark_issued()
-            assert await decode.announce.remote(f.req)
+            assert await decode.announce(f.req)
         if not scheduled.preempt_batch:
-            c.cfg = ClientConfig(room_wait_s=0.2)
+            c.cfg = RouterConfig(room_wait_s=0.2)
         got = await c._announce_queued(request("online"), PlacementChoice("p0", ("d0",), priority=(0, 0.0)))
         return got, c
 
