@@ -25,16 +25,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from cluster.admission import Refusal, RefusalReason
-from cluster.bookings import Ledger
-from cluster.cost_model import CostModelBank
 from cluster.descriptors import RequestId, WorkerName
-from cluster.journal import Journal, JournalEntry, Phase, needs_prefill
+from cluster.journal import JournalEntry, Phase, needs_prefill
 from cluster.ordering import SlackQueue, priority_key
-from cluster.placement import Placement, PlacementConfig, PlacementKind, PlacementPolicy
-from cluster.stats import SchedulerStats
-from cluster.tenants import Tenant, TenantRegistry
-from cluster.timeline import Stage, TimelineStore
-from cluster.workers import WorkerRegistry
+from cluster.parts import SchedulerParts
+from cluster.placement import Placement, PlacementKind
+from cluster.tenants import Tenant
+from cluster.timeline import Stage
 
 # Commit a placement of an admitted request (`GlobalScheduler._place`).
 PlaceFn = Callable[[JournalEntry, Tenant, float, PlacementKind], Placement | Refusal]
@@ -51,19 +48,17 @@ class RecoveryPlanner:
     `seq` is the scheduler's own tie-break counter, shared so that every key it hands out (placement
     priorities, timers, the resumption queue) comes from one sequence."""
 
-    def __init__(self, *, cfg: PlacementConfig, journal: Journal, ledger: Ledger, workers: WorkerRegistry,
-                 models: CostModelBank, tenants: TenantRegistry, policy: PlacementPolicy,
-                 timelines: TimelineStore, counters: SchedulerStats, seq: Iterator[int],
-                 place: PlaceFn, refuse: RefuseFn, chunk_tokens: ChunkTokensFn) -> None:
-        self._cfg = cfg
-        self._journal = journal
-        self._ledger = ledger
-        self._workers = workers
-        self._models = models
-        self._tenants = tenants
-        self._policy = policy
-        self._timelines = timelines
-        self._counters = counters
+    def __init__(self, parts: SchedulerParts, *, seq: Iterator[int], place: PlaceFn, refuse: RefuseFn,
+                 chunk_tokens: ChunkTokensFn) -> None:
+        self._cfg = parts.cfg
+        self._journal = parts.journal
+        self._ledger = parts.ledger
+        self._workers = parts.workers
+        self._models = parts.models
+        self._tenants = parts.tenants
+        self._policy = parts.policy
+        self._timelines = parts.timelines
+        self._counters = parts.counters
         self._seq = seq
         self._place = place
         self._refuse = refuse

@@ -38,6 +38,7 @@ from cluster.descriptors import RequestDesc, RequestId, WorkerReport, WorkerName
 from cluster.fairness import FairShareClock
 from cluster.journal import Journal, JournalEntry, Phase
 from cluster.ordering import new_request_urgency_s, priority_key
+from cluster.parts import SchedulerParts
 from cluster.placement import Fit, Placement, PlacementKind, PlacementPolicy
 from cluster.prefix_index import POOL, PrefixIndex
 from cluster.recovery import RecoveryPlanner
@@ -81,15 +82,11 @@ class GlobalScheduler:
         self.counters = SchedulerStats()
         self._seq = itertools.count()  # tie-breaks for priorities, timers and the resumption queue
         self.capacity = DecodeCapacity(cfg.placement, self.workers, self.models)
-        self.recovery = RecoveryPlanner(
-            cfg=cfg.placement, journal=self.journal, ledger=self.ledger, workers=self.workers, models=self.models,
-            tenants=self.tenants, policy=self.policy, timelines=self.timelines, counters=self.counters,
-            seq=self._seq, place=self._place, refuse=self._refuse, chunk_tokens=self.capacity.local_chunk_tokens)
-        self.snapshots = Snapshots(
-            cfg=cfg.placement, clock=clock, journal=self.journal, ledger=self.ledger, workers=self.workers,
-            models=self.models, index=self.index, tenants=self.tenants, fairness=self.fairness,
-            timelines=self.timelines, latency=self.latency, counters=self.counters, capacity=self.capacity,
-            recovery=self.recovery)
+        parts = SchedulerParts(cfg.placement, clock, self.journal, self.ledger, self.workers, self.models, self.index,
+                               self.tenants, self.fairness, self.policy, self.timelines, self.latency, self.counters)
+        self.recovery = RecoveryPlanner(parts, seq=self._seq, place=self._place, refuse=self._refuse,
+                                        chunk_tokens=self.capacity.local_chunk_tokens)
+        self.snapshots = Snapshots(parts, self.capacity, self.recovery)
 
     def submit(self, desc: RequestDesc, *, prompt_token_ids: Sequence[int] | None = None,
                sampling: dict[str, Any] | None = None, seed: int | None = None) -> Placement | Refusal:

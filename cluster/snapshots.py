@@ -19,19 +19,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from cluster.admission import Refusal
-from cluster.bookings import ACTIVE, COMMITTED, Booking, Ledger
-from cluster.clock import Clock
+from cluster.bookings import ACTIVE, COMMITTED, Booking
 from cluster.cost_model import CostModelBank, chunk_tokens
 from cluster.descriptors import WorkerName
-from cluster.fairness import FairShareClock
-from cluster.journal import Journal, JournalEntry, Phase
+from cluster.journal import JournalEntry, Phase
 from cluster.ordering import decode_batch_cap, latest_start_s
+from cluster.parts import SchedulerParts
 from cluster.placement import Placement, PlacementConfig
-from cluster.prefix_index import PrefixIndex
 from cluster.recovery import LostRequest, RecoveryPlanner
-from cluster.stats import LatencyWindow, SchedulerStats, WorkerStats
-from cluster.tenants import TenantRegistry
-from cluster.timeline import TimelineStore
+from cluster.stats import SchedulerStats, WorkerStats
 from cluster.workers import WorkerRegistry
 
 SNAPSHOT_VERSION = 1
@@ -76,22 +72,19 @@ class Snapshots:
     """The scheduler's state read out (snapshot, statistics, integrity check) and put back after
     a restart (`restore`). Holds no state of its own: every part belongs to the scheduler."""
 
-    def __init__(self, *, cfg: PlacementConfig, clock: Clock, journal: Journal, ledger: Ledger,
-                 workers: WorkerRegistry, models: CostModelBank, index: PrefixIndex, tenants: TenantRegistry,
-                 fairness: FairShareClock, timelines: TimelineStore, latency: LatencyWindow,
-                 counters: SchedulerStats, capacity: DecodeCapacity, recovery: RecoveryPlanner) -> None:
-        self._cfg = cfg
-        self._clock = clock
-        self._journal = journal
-        self._ledger = ledger
-        self._workers = workers
-        self._models = models
-        self._index = index
-        self._tenants = tenants
-        self._fairness = fairness
-        self._timelines = timelines
-        self._latency = latency
-        self._counters = counters
+    def __init__(self, parts: SchedulerParts, capacity: DecodeCapacity, recovery: RecoveryPlanner) -> None:
+        self._cfg = parts.cfg
+        self._clock = parts.clock
+        self._journal = parts.journal
+        self._ledger = parts.ledger
+        self._workers = parts.workers
+        self._models = parts.models
+        self._index = parts.index
+        self._tenants = parts.tenants
+        self._fairness = parts.fairness
+        self._timelines = parts.timelines
+        self._latency = parts.latency
+        self._counters = parts.counters
         self._capacity = capacity
         self._recovery = recovery
 
