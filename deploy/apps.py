@@ -10,7 +10,10 @@ the semantic-cache store actor (actors/semantic_cache/actor.py), which reloads i
 start and saves them again when the ingress shuts down. The same builder serves
 `serve run deploy/serve.yaml`, `ferry serve` and Python callers; `args` is the YAML config as a
 dict (see deploy/config.py), whose `scheduler` section (deploy/scheduler_config.py) is split off
-and validated here.
+and validated here. With `workers_as: deployments` the workers are not the ingress's actors but
+Serve deployments of their own (deploy/worker_servers.py), bound beside the ingress, which finds
+their replicas and wires them (`ServeWorkers`); the ingress still starts the prefix-cache stores
+and the scheduler actor.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from ray.serve import Application
 
 from actors.engine.fetch import resolve_model
 from actors.engine.tokenizer import Tokenizer
+from actors.prefix_cache.actor import start_store_actors
 from actors.ray_actors import PDDeployment, cluster_gpus, start_colocated, start_pd
 from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
 from cluster.actor import start_scheduler
 from cluster.descriptors import SloClass
+from cluster.router.client import Router
 from cluster.router.link import SchedulerLink, slo_class_override
 from cluster.router.ray_handles import router_for
 from deploy.cluster_backend import ClusterBackend
@@ -42,10 +47,13 @@ from deploy.openai import build_api
 from deploy.openai.drain import DrainState
 from deploy.scheduler_config import SchedulerSection
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
+from deploy.worker_servers import (ColocatedServer, DecodeServer, PrefillServer, ServeReplacer, ServeWorkers,
+                                   worker_deployment)
 
 logger = logging.getLogger(__name__)
 
 SEMANTIC_CACHE_ACTOR = "ferry-semantic-cache"
+STORE_PREFIX = "ferry-cache"  # the prefix-cache store actors of `workers_as: deployments`, found by name
 
 
 def default_torch_threads(cfg: AppConfig) -> int:
@@ -62,12 +70,16 @@ def default_torch_threads(cfg: AppConfig) -> int:
                   health_check_timeout_s=60)
 @serve.ingress()
 class FerryIngress:
-    def __init__(self, config: dict[str, Any], scheduler: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: dict[str, Any], scheduler: dict[str, Any] | None = None,
+                 workers: dict[str, Any] | None = None) -> None:
+        """`workers`: the worker deployments' handles ("decode", and "prefill" unless colocated)
+        when they run as Serve deployments; None: this ingress starts them as actors."""
         self.cfg = AppConfig.model_validate(config)
         self.scheduler_cfg = SchedulerSection.model_validate(scheduler or {})
         self._scheduler: Any = None
         self._link: SchedulerLink | None = None
         self._semantic_actor: Any = None
+        self._stores: list[Any] = []
         self.semantic: SemanticGlue | None = None
         cfg = self.cfg
         if cfg.loopback_only:
@@ -80,7 +92,15 @@ class FerryIngress:
         worker_cfg = cfg.to_worker_config(resources)
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)
         self._deployment: PDDeployment | None = None
-        if cfg.mode == "colocated":
+        if cfg.mode == "disaggregated" and self.scheduler_cfg.enabled:
+            sched = self.scheduler_cfg.to_scheduler_config(cfg.engine.max_num_seqs)
+            name = self.scheduler_cfg.actor_name
+            self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name),
+                                           lambda old: ray.kill(old, no_restart=True))
+            self._link = SchedulerLink(self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
+        if workers is not None:
+            router = self._serve_workers(workers)
+        elif cfg.mode == "colocated":
             self._deployment = start_colocated(worker_cfg, num_workers=cfg.num_decode, torch_threads=threads,
                                                resources=resources)
             router = router_for(self._deployment, cfg.to_router_config(), replace_dead=cfg.replace_dead_workers)
@@ -90,13 +110,6 @@ class FerryIngress:
                 cache=cfg.to_cache_config(), num_cache=cfg.prefix_cache.num_stores, torch_threads=threads,
                 name_prefix="ferry", resources=resources,
             )
-            if self.scheduler_cfg.enabled:
-                sched = self.scheduler_cfg.to_scheduler_config(cfg.engine.max_num_seqs)
-                name = self.scheduler_cfg.actor_name
-                self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name),
-                                               lambda old: ray.kill(old, no_restart=True))
-                self._link = SchedulerLink(
-                    self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
             router = router_for(self._deployment, cfg.to_router_config(), control=self._link,
                                 replace_dead=cfg.replace_dead_workers)
         max_len = cfg.engine.max_model_len or _context_of(path)
@@ -105,6 +118,20 @@ class FerryIngress:
         self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic)
         logger.info("ferry ingress up: %s mode, model %s, workers on %s (%s each)", cfg.mode, cfg.model,
                     resources.device, resources.actor_options())
+
+    def _serve_workers(self, workers: dict[str, Any]) -> Router:
+        """The router over the worker deployments' replicas (found on the first poll), after
+        starting the prefix-cache stores their replicas wait for."""
+        cache = self.cfg.to_cache_config()
+        if cache is not None and self.cfg.mode == "disaggregated":
+            stores = start_store_actors(cache, self.cfg.prefix_cache.num_stores, id_prefix=STORE_PREFIX)
+            self._stores = [s.actor for s in stores.values()]
+        found = ServeWorkers(workers["decode"], workers.get("prefill"))
+        router = Router({}, {}, self.cfg.to_router_config(), control=self._link,
+                        replacer=ServeReplacer(found) if self.cfg.replace_dead_workers else None)
+        found.router = router
+        router.board.discover = found.discover
+        return router
 
     def _start_semantic(self, settings: SemanticCacheSettings) -> SemanticGlue:
         """The store actor, fresh (it reloads what the last one saved), behind the HTTP glue."""
@@ -133,6 +160,8 @@ class FerryIngress:
             ray.kill(self._scheduler, no_restart=True)
         if self._deployment is not None:
             self._deployment.shutdown()
+        for store in self._stores:
+            ray.kill(store, no_restart=True)
         if self._semantic_actor is not None:
             stop_semantic_cache(self._semantic_actor)  # saves first: the next ingress reloads it
 
@@ -200,4 +229,22 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         problems = "; ".join(f"scheduler.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"config: {problems}") from None
     cfg = load_config(args)
-    return FerryIngress.bind(cfg.model_dump(mode="json"), scheduler.model_dump(mode="json"))
+    config, sched = cfg.model_dump(mode="json"), scheduler.model_dump(mode="json")
+    if cfg.workers_as == "actors":
+        return FerryIngress.bind(config, sched)
+    return FerryIngress.bind(config, sched, worker_apps(cfg))
+
+
+def worker_apps(cfg: AppConfig) -> dict[str, Application]:
+    """The worker deployments of `workers_as: deployments`, bound: decode (or colocated) and prefill."""
+    resources = cfg.worker_resources(cluster_gpus() if ray.is_initialized() else 0.0)
+    worker_cfg = cfg.to_worker_config(resources)
+    threads = cfg.engine.torch_threads or default_torch_threads(cfg)
+    options = resources.actor_options()
+    store_ids = ([f"{STORE_PREFIX}-{i}" for i in range(cfg.prefix_cache.num_stores)]
+                 if cfg.to_cache_config() is not None and cfg.mode == "disaggregated" else [])
+    args = (worker_cfg, store_ids, threads, "ferry")
+    if cfg.mode == "colocated":
+        return {"decode": worker_deployment(ColocatedServer, "colocated", cfg.num_decode, options).bind(*args)}
+    return {"decode": worker_deployment(DecodeServer, "decode", cfg.num_decode, options).bind(*args),
+            "prefill": worker_deployment(PrefillServer, "prefill", cfg.num_prefill, options).bind(*args)}

@@ -108,6 +108,10 @@ class AppConfig(ConfigSection):
                              "larger deltas (less CPU per token on the way to the client, same TTFT and TPOT, "
                              "coarser inter-token gaps)")
     loopback_only: bool = Field(True, description="bind every listener of ferry's own to 127.0.0.1 (local runs)")
+    workers_as: Literal["actors", "deployments"] = Field(
+        "actors", description="actors: the ingress starts the workers as plain Ray actors; deployments: prefill, "
+                              "decode (or colocated) workers are Serve deployments of their own (`serve status` lists "
+                              "them; Serve restarts dead replicas)")
     replace_dead_workers: bool = Field(
         True, description="start a fresh worker of the same kind and name when one dies; its streams resume "
                           "there when no other worker can take them")

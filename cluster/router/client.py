@@ -101,6 +101,11 @@ class Router:
             return False
         return self.preemptions.resume(request_id, self._choose(flight.resume_request(), self.board.cached(), decided))
 
+    def add_worker(self, kind: str, handle: WorkerHandle) -> None:
+        """A worker that joined (a new Serve replica, already wired): placeable from the next poll."""
+        (self.prefills if kind == "prefill" else self.decodes)[handle.name] = handle
+        self.board.revive(handle.name)
+
     # ---- placement: one decision per attempt ---------------------------------------------------
 
     def _choose(self, req: GenerationRequest, loads: Mapping[str, WorkerLoad],

@@ -5,7 +5,9 @@ time; callers share it) and adds the router's own in-flight counts, so a burst i
 any worker reports it. A worker is declared dead when a call finds its process gone (`WorkerGone`)
 or its engine loop reports itself dead; dead workers are not called again, read unhealthy, and
 are excluded from placement until `revive` (a replacement took the name). Whoever needs to know
-(the replacement of dead workers) hears it through `on_dead`.
+(the replacement of dead workers) hears it through `on_dead`. Where workers come and go on their
+own (Serve replicas), `discover` finds the new ones before the first poll and every
+`discover_interval_s` after.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class LoadBoard:
                  on_dead: Callable[[str], None] | None = None) -> None:
         self.prefills, self.decodes, self.cfg = prefills, decodes, cfg
         self.on_dead = on_dead
+        # Finds workers that joined (Serve replicas) and adds them to the maps; run before the first
+        # poll and every `discover_interval_s` after.
+        self.discover: Callable[[], Awaitable[object]] | None = None
+        self.discover_interval_s = 10.0
+        self._discovered_at = float("-inf")
+        self._discovering: asyncio.Task[None] | None = None
         self.dead: set[str] = set()  # workers seen dead and not replaced since
         self.in_flight: collections.Counter[str] = collections.Counter()  # this router's requests per decode worker
         self._loads: dict[str, WorkerLoad] = {}
@@ -72,7 +80,22 @@ class LoadBoard:
         """(prefill loads, decode loads), as placement takes them."""
         return [loads[n] for n in self.prefills if n in loads], [loads[n] for n in self.decodes if n in loads]
 
+    async def _discover(self) -> None:
+        assert self.discover is not None
+        try:
+            await self.discover()
+        except Exception as e:  # noqa: BLE001 - the known workers still serve
+            logger.warning("finding new workers failed: %r", e)
+
     async def _poll(self) -> None:
+        if self.discover is not None and time.monotonic() - self._discovered_at > self.discover_interval_s:
+            self._discovered_at = time.monotonic()
+            if not (self.prefills or self.decodes):
+                await self._discover()  # nothing to serve with until it answers
+                if not (self.prefills or self.decodes):
+                    self._discovered_at = float("-inf")  # ask again at the next poll
+            elif self._discovering is None or self._discovering.done():
+                self._discovering = asyncio.ensure_future(self._discover())  # beside the known workers' polls
         async def one(name: str, handle: WorkerHandle) -> WorkerLoad:
             kind = "prefill" if name in self.prefills else "decode"
             down = WorkerLoad(name, kind, 0, 0, 0, 0, 0, 0.0, healthy=False)  # type: ignore[arg-type]

@@ -3,7 +3,8 @@
 Mental model: with a `Replacer` (the deployment: `PDDeployment.replace` behind a
 `RayReplacer`), every worker the `LoadBoard` declares dead is replaced by a fresh one of the same
 name, retried with backoff up to `RecoveryConfig.replace_attempts` times; the new handle takes
-the old one's place in the router's handle map and the name leaves `dead`. A recovery that finds
+the old one's place in the router's handle map and the name leaves `dead` (a replacement with a
+name of its own, a new Serve replica, joins beside the dead name, which stays dead). A recovery that finds
 no healthy worker while a replacement is under way waits for it (`wait`) instead of failing: a
 lone decode worker that dies costs its streams a stall, not an error.
 """
@@ -61,9 +62,9 @@ class Replacements:
                         await asyncio.sleep(cfg.replace_backoff_s * 2 ** (attempt - 1))
                     continue
                 for by_name in self.handles.values():
-                    if name in by_name:
-                        by_name[name] = handle
-                self.board.revive(name)
+                    if name in by_name:  # under Serve the replacement has a name of its own
+                        by_name[handle.name] = handle
+                self.board.revive(handle.name)
                 self.num_replaced += 1
                 self.replaced_at = time.monotonic()
                 logger.warning("worker %s replaced in %.1f s; placeable again", name, time.monotonic() - started)

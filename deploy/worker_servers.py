@@ -1,0 +1,223 @@
+"""Prefill, decode and colocated workers as Ray Serve deployments (`workers_as: deployments`).
+
+Mental model: each replica builds the same worker the plain actors build (`actors/ray_actors.py`:
+model loaded in the replica's process, engine thread, transport endpoint, prefix-cache stores looked
+up by name) and names itself `<prefix>-<kind>-<replica id>`. Serve owns the replicas: their count
+(`num_replicas`), what each asks Ray for (`ray_actor_options`), health checks (`check_health`: the
+engine loop is alive), graceful shutdown (streams in flight finish first) and restarts of dead ones
+(a new replica has a new id, so a new name). Every call from the ingress is pinned to one replica
+(`cluster/router/pinned_router.py`): the scheduler, not Serve's load balancing, decides where a
+request runs.
+
+`ServeWorkers` is the ingress's side: it finds the replicas (`identify`, broadcast to a deployment),
+wires every decode replica's KV endpoint into every prefill replica before either takes traffic,
+and hands them to the router as `ServeWorkerHandle`s; `ServeReplacer` is the router's `Replacer`
+under Serve: a dead replica's replacement is whichever new replica of its kind Serve starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
+from actors.prefix_cache.actor import RayStoreHandle
+from actors.prefix_cache.ring import StoreId
+from actors.ray_actors import ColocatedActor, DecodeActor, PrefillActor
+from actors.worker_config import WorkerConfig
+from cluster.router.client import Router
+from cluster.router.pinned_router import PinnedRouter
+from cluster.router.serve_handles import ServeWorkerHandle
+
+logger = logging.getLogger(__name__)
+STORE_WAIT_S = 120.0  # a replica waits this long for the ingress to start the prefix-cache stores
+HEALTH_CHECK_PERIOD_S = 5.0
+GRACEFUL_SHUTDOWN_S = 60.0  # streams in flight get this long to finish when a replica stops
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    replica_id: str
+    name: str
+    kind: str  # "prefill", "decode" or "colocated"
+    transport_metadata: bytes | None  # a decode replica's KV endpoint
+
+
+def _find_stores(store_ids: list[str]) -> dict[StoreId, RayStoreHandle]:
+    deadline = time.monotonic() + STORE_WAIT_S
+    stores = {}
+    for store_id in store_ids:
+        while True:
+            try:
+                stores[StoreId(store_id)] = RayStoreHandle(ray.get_actor(store_id))
+                break
+            except ValueError:  # not started yet: the ingress starts them beside us
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"prefix-cache store {store_id} did not start within {STORE_WAIT_S:g}s")
+                time.sleep(0.5)
+    return stores
+
+
+class _WorkerServer:
+    """What every worker deployment answers. `ferry_replica` (the pin) is accepted and ignored."""
+
+    kind = "worker"
+    worker: Any
+
+    def _name(self, prefix: str) -> str:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        return f"{prefix}-{self.kind}-{self.replica_id}"
+
+    async def identify(self, **_: Any) -> WorkerIdentity:
+        metadata = self.worker.transport_metadata() if self.kind == "decode" else None
+        return WorkerIdentity(self.replica_id, self.worker.name, self.kind, metadata)
+
+    async def load(self, **_: Any) -> WorkerLoad:
+        return await self.worker.load()
+
+    async def telemetry(self, cursor: TelemetryCursor | None = None, **_: Any) -> Telemetry:
+        return await self.worker.telemetry(cursor)
+
+    async def check_health(self) -> None:
+        if not (await self.worker.load()).healthy:
+            raise RuntimeError(f"{self.worker.name}: its engine loop died")
+
+    def __del__(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.close()
+
+
+class PrefillServer(_WorkerServer):
+    kind = "prefill"
+
+    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str) -> None:
+        self.worker = PrefillActor(cfg, self._name(prefix), _find_stores(store_ids) or None, torch_threads)
+
+    async def prefill(self, req: GenerationRequest, decode: str, **_: Any) -> PrefillResult:
+        return await self.worker.prefill(req, decode)
+
+    async def add_peer(self, metadata: bytes, **_: Any) -> str:
+        return await self.worker.add_peer(metadata)
+
+
+class DecodeServer(_WorkerServer):
+    kind = "decode"
+
+    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str) -> None:
+        self.worker = DecodeActor(cfg, self._name(prefix), torch_threads, _find_stores(store_ids) or None)
+
+    async def announce(self, req: GenerationRequest, **_: Any) -> bool:
+        return await self.worker.announce(req)
+
+    async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
+        async for event in self.worker.generate(req):
+            yield event
+
+    async def generate_after_kv(self, request_id: str, **_: Any) -> AsyncIterator[TokenEvent]:
+        async for event in self.worker.generate_after_kv(request_id):
+            yield event
+
+    async def abort(self, request_id: str, **_: Any) -> bool:
+        return await self.worker.abort(request_id)
+
+
+class ColocatedServer(_WorkerServer):
+    kind = "colocated"
+
+    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str) -> None:
+        self.worker = ColocatedActor(cfg, self._name(prefix), torch_threads)
+
+    async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
+        async for event in self.worker.generate(req):
+            yield event
+
+    async def abort(self, request_id: str, **_: Any) -> bool:
+        return await self.worker.abort(request_id)
+
+
+def worker_deployment(cls: type, name: str, num_replicas: int, actor_options: Mapping[str, Any]) -> Any:
+    """`cls` as a Serve deployment: pinned routing, health checks, a graceful stop that lets streams end."""
+    return serve.deployment(
+        cls, name=name, num_replicas=num_replicas, ray_actor_options=dict(actor_options),
+        max_ongoing_requests=1024,  # the scheduler admits; Serve must never refuse a pinned call
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        request_router_config=RequestRouterConfig(request_router_class=PinnedRouter))
+
+
+class ServeWorkers:
+    """The ingress's view of the worker deployments: finds replicas, wires them, adds them to `router`."""
+
+    def __init__(self, decode: DeploymentHandle, prefill: DeploymentHandle | None, call_timeout_s: float = 60.0) -> None:
+        self.decode, self.prefill = decode, prefill
+        self.call_timeout_s = call_timeout_s
+        self.router: Router | None = None
+        self.known: dict[str, ServeWorkerHandle] = {}  # by replica id
+        self._lock = asyncio.Lock()
+
+    async def _identify(self, handle: DeploymentHandle) -> list[WorkerIdentity]:
+        """The live replicas that answered (a dying one fails its part, not the whole call)."""
+        answers = await handle.broadcast("identify").results_async(timeout_s=self.call_timeout_s,
+                                                                   return_exceptions=True)
+        return [a for a in answers if isinstance(a, WorkerIdentity)]
+
+    async def discover(self) -> list[ServeWorkerHandle]:
+        """Adds the replicas not seen before (wired first); returns them."""
+        assert self.router is not None, "attach a router first"
+        async with self._lock:
+            decodes = await self._identify(self.decode)
+            prefills = await self._identify(self.prefill) if self.prefill is not None else []
+            new_decodes = [w for w in decodes if w.replica_id not in self.known]
+            new_prefills = [w for w in prefills if w.replica_id not in self.known]
+            live_prefills = [self._handle(w) for w in prefills]
+            for d in new_decodes:  # every prefill replica learns the new KV endpoint
+                await asyncio.gather(*(p.add_peer(d.transport_metadata) for p in live_prefills
+                                       if p.replica_id not in {w.replica_id for w in new_prefills}))
+            for p in new_prefills:  # a new prefill replica learns every endpoint
+                for d in decodes:
+                    await self._handle(p).add_peer(d.transport_metadata)
+            added = []
+            for w in [*new_prefills, *new_decodes]:
+                handle = self.known[w.replica_id] = self._handle(w)
+                self.router.add_worker("prefill" if w.kind == "prefill" else "decode", handle)
+                added.append(handle)
+            if added:
+                logger.info("workers joined: %s", ", ".join(h.name for h in added))
+            return added
+
+    def _handle(self, w: WorkerIdentity) -> ServeWorkerHandle:
+        known = self.known.get(w.replica_id)
+        if known is not None:
+            return known
+        return ServeWorkerHandle(w.name, w.replica_id, self.prefill if w.kind == "prefill" else self.decode)  # type: ignore[arg-type]
+
+
+class ServeReplacer:
+    """A dead replica's replacement: the next new replica of its kind that Serve starts."""
+
+    def __init__(self, workers: ServeWorkers, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
+        self.workers, self.timeout_s, self.poll_s = workers, timeout_s, poll_s
+
+    async def replace(self, name: str) -> ServeWorkerHandle:
+        gone = next((h for h in self.workers.known.values() if h.name == name), None)
+        if gone is None:
+            raise KeyError(f"no replica named {name!r}")
+        before = set(self.workers.known)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            await self.workers.discover()
+            for replica_id, handle in self.workers.known.items():
+                if replica_id not in before and handle.handle is gone.handle:  # same deployment: same kind
+                    return handle
+            await asyncio.sleep(self.poll_s)
+        raise TimeoutError(f"Serve started no replacement for {name} within {self.timeout_s:g}s")
