@@ -67,11 +67,11 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0))
 
 
-def _log_to_worker_output() -> None:
-    """Ray sets up only its own `ray` logger in a worker process, so the data plane's INFO lines
-    (model load, transport, the engine's KV plan) would be dropped; they go to the worker's
-    stderr, which Ray keeps in the worker's log file and shows the driver."""
-    root = logging.getLogger("actors")
+def log_to_worker_output(package: str = "actors") -> None:
+    """Ray sets up only its own `ray` logger in a worker process, so a package's INFO lines (model
+    load, transport, the engine's KV plan; the router's warnings in the ingress) would be dropped;
+    they go to the worker's stderr, which Ray keeps in the worker's log file and shows the driver."""
+    root = logging.getLogger(package)
     if root.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
@@ -82,7 +82,7 @@ def _log_to_worker_output() -> None:
 
 
 def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
-    _log_to_worker_output()
+    log_to_worker_output()
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine), stream_interval=cfg.stream_interval)

@@ -32,7 +32,7 @@ from ray.serve import Application
 from actors.engine.fetch import resolve_model
 from actors.engine.tokenizer import Tokenizer
 from actors.prefix_cache.actor import start_store_actors
-from actors.ray_actors import PDDeployment, cluster_gpus, start_colocated, start_pd
+from actors.ray_actors import PDDeployment, cluster_gpus, log_to_worker_output, start_colocated, start_pd
 from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
 from cluster.actor import start_scheduler
 from cluster.descriptors import SloClass
@@ -82,6 +82,7 @@ class FerryIngress:
         self._stores: list[Any] = []
         self.semantic: SemanticGlue | None = None
         cfg = self.cfg
+        log_to_worker_output("cluster")  # the router's and the scheduler link's warnings
         if cfg.loopback_only:
             bind_replica_grpc_to_loopback()
         if cfg.api.semantic_cache is not None:

@@ -36,12 +36,14 @@ from actors.ray_actors import ColocatedActor, DecodeActor, PrefillActor
 from actors.worker_config import WorkerConfig
 from cluster.router.client import Router
 from cluster.router.pinned_router import PinnedRouter
+from cluster.router.handles import WorkerGone
 from cluster.router.serve_handles import ServeWorkerHandle
 
 logger = logging.getLogger(__name__)
 STORE_WAIT_S = 120.0  # a replica waits this long for the ingress to start the prefix-cache stores
 HEALTH_CHECK_PERIOD_S = 5.0
-GRACEFUL_SHUTDOWN_S = 60.0  # streams in flight get this long to finish when a replica stops
+GRACEFUL_SHUTDOWN_S = 60.0
+ROUTABLE_WAIT_S = 60.0  # a new replica must take a pinned call within this long to join the router  # streams in flight get this long to finish when a replica stops
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,8 @@ class ServeWorkers:
         async with self._lock:
             decodes = await self._identify(self.decode)
             prefills = await self._identify(self.prefill) if self.prefill is not None else []
-            new_decodes = [w for w in decodes if w.replica_id not in self.known]
-            new_prefills = [w for w in prefills if w.replica_id not in self.known]
+            new_decodes = [w for w in decodes if w.replica_id not in self.known and await self._routable(w)]
+            new_prefills = [w for w in prefills if w.replica_id not in self.known and await self._routable(w)]
             live_prefills = [self._handle(w) for w in prefills]
             for d in new_decodes:  # every prefill replica learns the new KV endpoint
                 await asyncio.gather(*(p.add_peer(d.transport_metadata) for p in live_prefills
@@ -194,6 +196,20 @@ class ServeWorkers:
             if added:
                 logger.info("workers joined: %s", ", ".join(h.name for h in added))
             return added
+
+    async def _routable(self, w: WorkerIdentity) -> bool:
+        """Whether a pinned call reaches the new replica `w`: a replica answers a broadcast a moment
+        before this process's router counts it among its candidates, and a call pinned to it
+        meanwhile fails as gone (which would declare it dead)."""
+        deadline = time.monotonic() + ROUTABLE_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                await self._handle(w).load()
+                return True
+            except WorkerGone:
+                await asyncio.sleep(0.5)
+        logger.warning("replica %s never became routable here; left out until the next look", w.name)
+        return False
 
     def _handle(self, w: WorkerIdentity) -> ServeWorkerHandle:
         known = self.known.get(w.replica_id)

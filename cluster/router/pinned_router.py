@@ -4,8 +4,9 @@ Mental model: ferry's scheduler, not Serve's load balancing, decides where a req
 ingress calls worker deployments with the target replica's id in the keyword argument `REPLICA_KW`
 (`cluster/router/serve_handles.py`). This router, configured on each worker deployment and run by
 Serve inside the caller's process, picks exactly that replica; a call without a target (none today)
-goes to any. A named replica that is no longer among the live ones fails the call at once with
-`WorkerGone` instead of waiting (Serve would otherwise retry the routing until one appears). Serve
+goes to any. A call pinned to a replica that is not among the live ones fails at once with
+`WorkerGone` (Serve would otherwise retry the routing until one appears: forever, for a dead one);
+the ingress finds replicas through the same candidate set (`DeploymentHandle.broadcast`). Serve
 copies this module by value into each caller, so it keeps no state of its own and raises an error
 class of another module (a class copied by value would not be the caller's `WorkerGone`).
 """
@@ -28,9 +29,9 @@ class PinnedRouter(RequestRouter):
         target = pending_request.kwargs.get(REPLICA_KW)
         if target is None:
             return [candidate_replicas]
-        for replica in candidate_replicas:
-            if replica.replica_id.unique_id == target:
-                return [[replica]]
-        if not pending_request.future.done():
+        chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+        if chosen:  # a replica still starting may take a few seconds to accept: Serve keeps trying
+            return [chosen]
+        if not pending_request.future.done():  # a replica this caller found is gone from its candidates
             pending_request.future.set_exception(WorkerGone(f"replica {target} is not live"))
-        return [candidate_replicas[:1]] if candidate_replicas else []
+        return [candidate_replicas[:1]]  # non-empty: Serve's loop then sees the call done and stops

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from deploy.config import ConfigError, load_config
+from tests.deploy.serving import wait_until_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -77,18 +78,7 @@ def served(ray_cluster, tiny_model_dir, semantic_dir):
                                    "save_interval_s": None}},
     }
     serve.run(build_app(cfg), name="ferry-test", route_prefix="/", blocking=False)
-    deadline = time.monotonic() + 300
-    import httpx2
-
-    while time.monotonic() < deadline:
-        try:
-            if httpx2.get(f"http://127.0.0.1:{PORT}/health", timeout=5).status_code == 200:
-                break
-        except httpx2.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("the app did not become healthy in 300 s")
+    wait_until_healthy(f"http://127.0.0.1:{PORT}")
     yield f"http://127.0.0.1:{PORT}"
     serve.delete("ferry-test")
     serve.shutdown()

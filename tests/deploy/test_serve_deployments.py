@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.deploy.serving import wait_until_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -25,7 +26,6 @@ PROMPT = "The ferry leaves the harbor at seven in the morning"
 
 @pytest.fixture(scope="module")
 def served(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[str]:
-    import httpx2
     from ray import serve
 
     from deploy.apps import build_app
@@ -39,17 +39,7 @@ def served(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[str]:
     }
     serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{PORT}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            r = httpx2.get(f"{url}/health", timeout=10)
-            if r.status_code == 200 and r.json().get("healthy"):
-                break
-        except httpx2.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("the app did not become healthy in 300 s")
+    wait_until_healthy(url)
     try:
         yield url
     finally:
@@ -127,5 +117,6 @@ def test_a_decode_replica_killed_mid_stream_is_restarted_by_serve_and_the_stream
     reader.join(300)
     assert not reader.is_alive()
     assert "".join(pieces) == want  # float32: resumed on the new replica from the tokens already sent
+    wait_until_healthy(served, 60)  # a poll that asked the dying replica may hold /health a few seconds
     after = {n for n, w in workers(served).items() if w["kind"] == "decode" and w["healthy"]}
     assert after and victim not in after  # a new replica, a new name
