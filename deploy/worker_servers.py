@@ -36,7 +36,6 @@ from actors.ray_actors import ColocatedActor, DecodeActor, PrefillActor
 from actors.worker_config import WorkerConfig
 from cluster.router.client import Router
 from cluster.router.pinned_router import PinnedRouter
-from cluster.router.handles import WorkerGone
 from cluster.router.serve_handles import ServeWorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -179,8 +178,8 @@ class ServeWorkers:
         async with self._lock:
             decodes = await self._identify(self.decode)
             prefills = await self._identify(self.prefill) if self.prefill is not None else []
-            new_decodes = [w for w in decodes if w.replica_id not in self.known and await self._routable(w)]
-            new_prefills = [w for w in prefills if w.replica_id not in self.known and await self._routable(w)]
+            new_decodes = [w for w in decodes if w.replica_id not in self.known]
+            new_prefills = [w for w in prefills if w.replica_id not in self.known]
             live_prefills = [self._handle(w) for w in prefills]
             for d in new_decodes:  # every prefill replica learns the new KV endpoint
                 await asyncio.gather(*(p.add_peer(d.transport_metadata) for p in live_prefills
@@ -196,20 +195,6 @@ class ServeWorkers:
             if added:
                 logger.info("workers joined: %s", ", ".join(h.name for h in added))
             return added
-
-    async def _routable(self, w: WorkerIdentity) -> bool:
-        """Whether a pinned call reaches the new replica `w`: a replica answers a broadcast a moment
-        before this process's router counts it among its candidates, and a call pinned to it
-        meanwhile fails as gone (which would declare it dead)."""
-        deadline = time.monotonic() + ROUTABLE_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                await self._handle(w).load()
-                return True
-            except WorkerGone:
-                await asyncio.sleep(0.5)
-        logger.warning("replica %s never became routable here; left out until the next look", w.name)
-        return False
 
     def _handle(self, w: WorkerIdentity) -> ServeWorkerHandle:
         known = self.known.get(w.replica_id)
