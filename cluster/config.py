@@ -12,6 +12,7 @@ from cluster.admission import AdmissionConfig
 from cluster.cost_model import StepCostPrior
 from cluster.descriptors import TenantId
 from cluster.placement import PlacementConfig
+from cluster.scaling import ScalingConfig
 from cluster.tenants import TenantConfig
 
 
@@ -40,6 +41,7 @@ class SchedulerConfig:
     latency_window: int = 20000
     slo_admission: bool = True
     fairness: bool = True
+    scaling: ScalingConfig | None = None  # replica-count advice per role (`cluster/scaling.py`); None: none
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout_s > 0:

@@ -42,10 +42,11 @@ from cluster.parts import SchedulerParts
 from cluster.placement import Fit, Placement, PlacementKind, PlacementPolicy
 from cluster.prefix_index import POOL, PrefixIndex
 from cluster.recovery import RecoveryPlanner
+from cluster.scaling import ScaleAdvice, ScaleAdvisor, decode_pressure, prefill_pressure
 from cluster.snapshots import DecodeCapacity, Snapshots
 from cluster.stats import LatencyWindow, SchedulerStats
 from cluster.telemetry import TelemetryInbox
-from cluster.tenants import Tenant, TenantRegistry
+from cluster.tenants import InteractiveSlo, Tenant, TenantRegistry
 from cluster.timeline import Stage, TimelineStore
 from cluster.workers import WorkerRegistry
 
@@ -87,6 +88,9 @@ class GlobalScheduler:
         self.recovery = RecoveryPlanner(parts, seq=self._seq, place=self._place, refuse=self._refuse,
                                         chunk_tokens=self.capacity.local_chunk_tokens)
         self.snapshots = Snapshots(parts, self.capacity, self.recovery)
+        self.scaling = ScaleAdvisor(cfg.scaling) if cfg.scaling is not None else None
+        slos = [t.slo for t in (*cfg.tenants, cfg.default_tenant) if t is not None]
+        self._tightest_ttft_s = min((s.ttft_ms for s in slos if isinstance(s, InteractiveSlo)), default=1000.0) / 1e3
 
     def submit(self, desc: RequestDesc, *, prompt_token_ids: Sequence[int] | None = None,
                sampling: dict[str, Any] | None = None, seed: int | None = None) -> Placement | Refusal:
@@ -326,6 +330,14 @@ class GlobalScheduler:
         result.expired.extend(self.recovery.expire(now))
         result.resumed.extend(self.recovery.resume(now))
         return result
+
+    def scale_advice(self) -> ScaleAdvice | None:
+        """Replica counts per role the measured slack asks for (None: scaling not configured)."""
+        if self.scaling is None:
+            return None
+        return self.scaling.advise(self.clock.now(), len(self.workers.prefill),
+                                   prefill_pressure(self.workers, self._tightest_ttft_s),
+                                   len(self.workers.decode), decode_pressure(self.workers))
 
     # ---- introspection, snapshot, rebuild ----------------------------------------------------
 

@@ -44,6 +44,7 @@ from cluster.flights import EventKind, FlightEvent, FlightState, ReportAck
 from cluster.journal import JournalEntry, Phase
 from cluster.ordering import latest_start_s
 from cluster.placement import Placement
+from cluster.scaling import ScaleAdvice
 from cluster.scheduler import GlobalScheduler
 from cluster.stats import SchedulerStats
 from cluster.timeline import Stage
@@ -289,6 +290,9 @@ class SchedulerService:
                       prefill=prefill_open, decode_active=entry.phase in (Phase.TRANSFERRING, Phase.DECODING))
 
     # ---- introspection -----------------------------------------------------------------------
+
+    def scale_advice(self) -> ScaleAdvice | None:
+        return self.sched.scale_advice()
 
     def ping(self) -> str:
         return self.incarnation

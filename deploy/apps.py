@@ -46,6 +46,7 @@ from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
 from deploy.openai.drain import DrainState
 from deploy.scheduler_config import SchedulerSection
+from deploy.scaler import ReplicaScaler
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
 from deploy.worker_servers import (ColocatedServer, DecodeServer, PrefillServer, ServeReplacer, ServeWorkers,
                                    worker_deployment)
@@ -53,6 +54,7 @@ from deploy.worker_servers import (ColocatedServer, DecodeServer, PrefillServer,
 logger = logging.getLogger(__name__)
 
 SEMANTIC_CACHE_ACTOR = "ferry-semantic-cache"
+DISCOVER_INTERVAL_S = 2.0  # how often the ingress looks for worker replicas Serve started
 STORE_PREFIX = "ferry-cache"  # the prefix-cache store actors of `workers_as: deployments`, found by name
 
 
@@ -80,9 +82,12 @@ class FerryIngress:
         self._link: SchedulerLink | None = None
         self._semantic_actor: Any = None
         self._stores: list[Any] = []
+        self.scaler: ReplicaScaler | None = None
+        self._worker_handles: dict[str, Any] = {}
         self.semantic: SemanticGlue | None = None
         cfg = self.cfg
         log_to_worker_output("cluster")  # the router's and the scheduler link's warnings
+        log_to_worker_output("deploy")  # the scaler's changes
         if cfg.loopback_only:
             bind_replica_grpc_to_loopback()
         if cfg.api.semantic_cache is not None:
@@ -128,11 +133,36 @@ class FerryIngress:
             stores = start_store_actors(cache, self.cfg.prefix_cache.num_stores, id_prefix=STORE_PREFIX)
             self._stores = [s.actor for s in stores.values()]
         found = ServeWorkers(workers["decode"], workers.get("prefill"))
-        router = Router({}, {}, self.cfg.to_router_config(), control=self._link,
-                        replacer=ServeReplacer(found) if self.cfg.replace_dead_workers else None)
+        replacer = ServeReplacer(found, self._wanted_replicas) if self.cfg.replace_dead_workers else None
+        router = Router({}, {}, self.cfg.to_router_config(), control=self._link, replacer=replacer)
+        self._worker_handles = workers
         found.router = router
-        router.board.discover = found.discover
+        router.board.discover_interval_s = DISCOVER_INTERVAL_S
+        scaling = self.scheduler_cfg.scaling
+        if scaling is None or self._link is None:
+            router.board.discover = found.discover
+            return router
+        roles = {"decode": ("colocated" if self.cfg.mode == "colocated" else "decode", self.cfg.num_decode)}
+        if self.cfg.mode == "disaggregated":
+            roles["prefill"] = ("prefill", self.cfg.num_prefill)
+        app = serve.get_replica_context().app_name
+        self.scaler = ReplicaScaler(self._link.scale_advice, lambda name, n: set_replicas(app, name, n), roles,
+                                    on_change=found.discover)
+
+        async def discover() -> None:
+            await found.discover()
+            self.scaler.start()  # on this replica's event loop, once it runs
+
+        router.board.discover = discover
         return router
+
+    def _wanted_replicas(self, handle: Any) -> int:
+        """The replicas the worker deployment behind `handle` should have: the scaler's last target,
+        or the configured count."""
+        role = "prefill" if handle is self._worker_handles.get("prefill") else "decode"
+        if self.scaler is not None and role in self.scaler.applied:
+            return self.scaler.applied[role]
+        return self.cfg.num_prefill if role == "prefill" else self.cfg.num_decode
 
     def _start_semantic(self, settings: SemanticCacheSettings) -> SemanticGlue:
         """The store actor, fresh (it reloads what the last one saved), behind the HTTP glue."""
@@ -155,6 +185,8 @@ class FerryIngress:
         return await self._drain_state.drain(timeout_s)
 
     def __del__(self) -> None:
+        if self.scaler is not None:
+            self.scaler.close()
         if self._link is not None:
             self._link.close()
         if self._scheduler is not None:
@@ -234,6 +266,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if cfg.workers_as == "actors":
         return FerryIngress.bind(config, sched)
     return FerryIngress.bind(config, sched, worker_apps(cfg))
+
+
+async def set_replicas(app: str, deployment: str, n: int) -> None:
+    """Serve's external-scaler call (the app must run with `external_scaler_enabled`)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    await _get_global_client()._controller.update_deployment_replicas.remote(DeploymentID(deployment, app), n)
 
 
 def worker_apps(cfg: AppConfig) -> dict[str, Application]:

@@ -73,7 +73,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     urls = start_local(http_port=args.port)
     t0 = time.perf_counter()
-    serve.run(build_app(raw), name="ferry", route_prefix="/", blocking=False)
+    # The external scaler lets the ingress apply the scheduler's replica counts (`scheduler.scaling`).
+    serve.run(build_app(raw), name="ferry", route_prefix="/", blocking=False,
+              external_scaler_enabled=cfg.workers_as == "deployments")
     key_hint = ' -H "Authorization: Bearer <key>"' if cfg.api.auth_required else ""
     print(f"""ferry is up ({time.perf_counter() - t0:.0f}s)
   API        {urls.api}/v1  (OpenAI-compatible; docs at {urls.api}/docs)

@@ -18,6 +18,7 @@ from cluster.config import SchedulerConfig
 from cluster.descriptors import TenantId
 from cluster.router.link_config import LinkConfig
 from cluster.placement import PlacementConfig
+from cluster.scaling import RoleBounds, ScalingConfig
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
 from deploy.config import ConfigSection
 from deploy.dashboard.provider import StaticSlos
@@ -46,6 +47,24 @@ class TenantSection(ConfigSection):
                             queue_timeout_s=self.queue_timeout_s, shed_predicted_misses=self.on_predicted_miss == "shed")
 
 
+class ScalingSection(ConfigSection):
+    """Replica counts per role from measured slack (`workers_as: deployments` only): the scheduler
+    advises, the ingress applies it to the worker deployments."""
+
+    min_prefill: int = Field(1, ge=1)
+    max_prefill: int = Field(1, ge=1)
+    min_decode: int = Field(1, ge=1)
+    max_decode: int = Field(1, ge=1)
+    up_at: float = Field(0.8, gt=0, description="add a worker once the role's pressure (1: at its SLO) stays this high")
+    down_at: float = Field(0.5, gt=0, description="remove one once the others would carry at most this pressure")
+    up_delay_s: float = Field(2.0, ge=0)
+    down_delay_s: float = Field(30.0, ge=0)
+
+    def to_scaling_config(self) -> ScalingConfig:
+        return ScalingConfig(RoleBounds(self.min_prefill, self.max_prefill), RoleBounds(self.min_decode, self.max_decode),
+                             self.up_at, self.down_at, self.up_delay_s, self.down_delay_s)
+
+
 class SchedulerSection(ConfigSection):
     enabled: bool = Field(True, description="false: place requests locally by load, no scheduler actor")
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
@@ -66,6 +85,7 @@ class SchedulerSection(ConfigSection):
     admit_timeout_s: float = Field(2.0, gt=0, description="a placement decision; past it, placed locally")
     report_interval_s: float = Field(0.1, gt=0)
     actor_name: str = "ferry-scheduler"
+    scaling: ScalingSection | None = Field(None, description="replica counts by slack; null: fixed counts")
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerSection":
@@ -83,6 +103,7 @@ class SchedulerSection(ConfigSection):
             admission=AdmissionConfig(slo_refuse_factor=self.slo_refuse_factor),
             heartbeat_timeout_s=self.heartbeat_timeout_s, batch_deadline_s=self.batch_deadline_s,
             slo_admission=self.slo_admission, fairness=self.fairness,
+            scaling=None if self.scaling is None else self.scaling.to_scaling_config(),
             placement=PlacementConfig(local_prefill=self.local_prefill, preempt_batch=self.preempt_batch, **rows))
 
     def tenant_slos(self) -> StaticSlos:

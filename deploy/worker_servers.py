@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +204,21 @@ class ServeWorkers:
 
 
 class ServeReplacer:
-    """A dead replica's replacement: the next new replica of its kind that Serve starts."""
+    """A dead replica's replacement: the next new replica of its kind that Serve starts; none when the
+    deployment has as many live replicas as it is meant to (Serve stopped this one on purpose: a
+    scale-down). `wanted(handle)`: the replicas its deployment should have now."""
 
-    def __init__(self, workers: ServeWorkers, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
-        self.workers, self.timeout_s, self.poll_s = workers, timeout_s, poll_s
+    def __init__(self, workers: ServeWorkers, wanted: Callable[[DeploymentHandle], int], timeout_s: float = 300.0,
+                 poll_s: float = 1.0) -> None:
+        self.workers, self.wanted, self.timeout_s, self.poll_s = workers, wanted, timeout_s, poll_s
 
-    async def replace(self, name: str) -> ServeWorkerHandle:
+    async def replace(self, name: str) -> ServeWorkerHandle | None:
         gone = next((h for h in self.workers.known.values() if h.name == name), None)
         if gone is None:
             raise KeyError(f"no replica named {name!r}")
+        live = await self.workers._identify(gone.handle)
+        if len(live) >= self.wanted(gone.handle):
+            return None
         before = set(self.workers.known)
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:

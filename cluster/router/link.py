@@ -47,9 +47,8 @@ from actors.handoff import prompt_block_hashes
 from actors.messages import GenerationRequest, TelemetryCursor
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestId, SloClass, WorkerName
+from cluster.descriptors import RequestId, SloClass
 from cluster.flights import EventKind, FlightEvent, FlightState
-from cluster.journal import Journal, JournalEntry
 from cluster.placement import Placement
 from cluster.router.adapters import (flight_state, refusal_error, request_desc, telemetry_cursor, worker_load,
                                      worker_telemetry)
@@ -57,10 +56,11 @@ from cluster.router.choice import NoWorkers
 from cluster.router.control import FlightSource, Planned
 from cluster.router.flight import PREEMPTED, InFlight
 from cluster.router.link_config import LinkConfig, LinkStats
+from cluster.router.recovery_order import RecoveryOrder
+from cluster.scaling import ScaleAdvice
 from cluster.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
-_DEAD = WorkerName("~dead")  # where the local recovery plan files the victims
 
 slo_class_override: contextvars.ContextVar[SloClass | None] = contextvars.ContextVar("ferry_slo_class", default=None)
 
@@ -72,13 +72,13 @@ class SchedulerLink:
         self.actor = actor
         self.cfg = cfg or LinkConfig()
         sched_cfg = sched_cfg or SchedulerConfig()
-        self._tenants = TenantRegistry(sched_cfg.tenants, sched_cfg.default_tenant)
+        self._recovery_order = RecoveryOrder(TenantRegistry(sched_cfg.tenants, sched_cfg.default_tenant),
+                                             sched_cfg.batch_deadline_s)
         # Prompt block hashes mean something to the scheduler only in blocks of its own size.
         self._hash_prompts = sched_cfg.placement.hash_block_size == self.cfg.block_size
         if not self._hash_prompts:
             logger.warning("scheduler hash_block_size %d != engine block size %d: no prefix affinity",
                            sched_cfg.placement.hash_block_size, self.cfg.block_size)
-        self._batch_deadline_s = sched_cfg.batch_deadline_s
         self.preempt_batch = sched_cfg.placement.preempt_batch
         self.stats = LinkStats()
         self._source: FlightSource | None = None
@@ -173,23 +173,18 @@ class SchedulerLink:
         return plan
 
     def _local_plan(self, flights: Sequence[InFlight]) -> list[tuple[InFlight, Planned]]:
-        """The scheduler's recovery ordering, computed here from the tenants' SLOs; the router
-        places each one with its local policy."""
-        now = time.time()
-        journal, unknown = Journal(), []
-        by_id = {f.request_id: f for f in flights}
-        for flight in flights:
-            st = self._state(flight)
-            tenant = self._tenants.get(st.desc.tenant, now)
-            if tenant is None:
-                unknown.append(flight)
-                continue
-            entry = JournalEntry.for_request(st.desc, tenant.cfg.slo, self._batch_deadline_s, seed=st.seed)
-            entry.num_output_tokens, entry.first_token_time = st.num_output_tokens, st.first_token_time
-            entry.decode_worker = _DEAD
-            journal.add(entry)
-        ordered = [by_id[e.request_id] for e in journal.recovery_plan(_DEAD, now)] + unknown
-        return [(flight, None) for flight in ordered]
+        """The scheduler's ordering (`RecoveryOrder`); the router places each with its local policy."""
+        return [(flights[i], None) for i in self._recovery_order.order([self._state(f) for f in flights])]
+
+    async def scale_advice(self) -> ScaleAdvice | None:
+        """The scheduler's replica counts per role (None: not configured, or the actor is away)."""
+        if not self.available:
+            return None
+        try:
+            return await asyncio.wait_for(self.actor.scale_advice.remote(), self.cfg.call_timeout_s)
+        except (RayError, asyncio.TimeoutError) as e:
+            self._mark_down(e)
+            return None
 
     # ---- notifications (never block, never raise) -------------------------------------------
 

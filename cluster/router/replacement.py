@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class Replacer(Protocol):
-    async def replace(self, name: str) -> WorkerHandle:
-        """A fresh, wired, answering worker for the dead worker `name` (raises if it cannot start)."""
+    async def replace(self, name: str) -> WorkerHandle | None:
+        """A fresh, wired, answering worker for the dead worker `name` (raises if it cannot start);
+        None: it is not to be replaced (its deployment was scaled down)."""
         ...
 
 
@@ -61,6 +62,9 @@ class Replacements:
                     if attempt < cfg.replace_attempts:
                         await asyncio.sleep(cfg.replace_backoff_s * 2 ** (attempt - 1))
                     continue
+                if handle is None:
+                    logger.warning("worker %s is gone and not replaced: its deployment was scaled down", name)
+                    return
                 for by_name in self.handles.values():
                     if name in by_name:  # under Serve the replacement has a name of its own
                         by_name[handle.name] = handle
