@@ -166,7 +166,7 @@ class ServeWorkers:
         self.known: dict[str, ServeWorkerHandle] = {}  # by replica id
         self._lock = asyncio.Lock()
 
-    async def _identify(self, handle: DeploymentHandle) -> list[WorkerIdentity]:
+    async def identify(self, handle: DeploymentHandle) -> list[WorkerIdentity]:
         """The live replicas that answered (a dying one fails its part, not the whole call)."""
         answers = await handle.broadcast("identify").results_async(timeout_s=self.call_timeout_s,
                                                                    return_exceptions=True)
@@ -176,8 +176,8 @@ class ServeWorkers:
         """Adds the replicas not seen before (wired first); returns them."""
         assert self.router is not None, "attach a router first"
         async with self._lock:
-            decodes = await self._identify(self.decode)
-            prefills = await self._identify(self.prefill) if self.prefill is not None else []
+            decodes = await self.identify(self.decode)
+            prefills = await self.identify(self.prefill) if self.prefill is not None else []
             new_decodes = [w for w in decodes if w.replica_id not in self.known]
             new_prefills = [w for w in prefills if w.replica_id not in self.known]
             live_prefills = [self._handle(w) for w in prefills]
@@ -216,15 +216,16 @@ class ServeReplacer:
         gone = next((h for h in self.workers.known.values() if h.name == name), None)
         if gone is None:
             raise KeyError(f"no replica named {name!r}")
-        live = await self.workers._identify(gone.handle)
-        if len(live) >= self.wanted(gone.handle):
-            return None
-        before = set(self.workers.known)
+        before = {rid for rid in self.workers.known if rid != gone.replica_id}
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             await self.workers.discover()
-            for replica_id, handle in self.workers.known.items():
-                if replica_id not in before and handle.handle is gone.handle:  # same deployment: same kind
-                    return handle
+            fresh = [h for rid, h in self.workers.known.items() if rid not in before and rid != gone.replica_id
+                     and h.handle is gone.handle]  # same deployment: same kind
+            if fresh:
+                return fresh[0]
+            live = await self.workers.identify(gone.handle)
+            if len(live) >= self.wanted(gone.handle):  # Serve stopped it on purpose and starts none
+                return None
             await asyncio.sleep(self.poll_s)
         raise TimeoutError(f"Serve started no replacement for {name} within {self.timeout_s:g}s")
