@@ -153,19 +153,21 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         cfg = ClientConfig(url=url, model=model, max_concurrency=a.max_concurrency or a.parallel,
                            max_requests=a.num_requests, duration_s=a.duration, grace_s=a.grace,
                            salt=prompt_salt(a.seed, i))
-        before, preempted_before = health_figures(url)
+        before = health_figures(url)
         records, dur = asyncio.run(replay(cfg, reqs))
         s = summarize(records, dur, slos)
         stages = summarize_stages(records, fetch_timelines(url, records), dur)
-        after, preempted_after = health_figures(url)
+        after = health_figures(url)
         preemptions = None
-        if preempted_before is not None and preempted_after is not None:
-            preemptions = (preempted_after[0] - preempted_before[0], preempted_after[1] - preempted_before[1])
-        result.points.append(RatePoint.of(rate, s, records, {
-            w: (before.get(w), after.get(w)) for w in sorted(before.keys() | after.keys())}, preemptions, stages))
+        if before.preemptions is not None and after.preemptions is not None:
+            preemptions = (after.preemptions[0] - before.preemptions[0], after.preemptions[1] - before.preemptions[1])
+        memory = {w: (before.memory_mib.get(w), after.memory_mib.get(w))
+                  for w in sorted(before.memory_mib.keys() | after.memory_mib.keys())}
+        result.points.append(RatePoint.of(rate, s, records, memory, preemptions, stages, after.workers))
         print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
               f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms; "
-              f"answered but over TTFT {s.missed['ttft']}, over TPOT {s.missed['tpot']}",
+              f"answered but over TTFT {s.missed['ttft']}, over TPOT {s.missed['tpot']}"
+              + (f"; workers P/D {result.points[-1].worker_counts()}" if result.points[-1].workers else ""),
               file=sys.stderr, flush=True)
 
 

@@ -12,6 +12,7 @@ new request does not kill the running stream). Binaries are looked up in ~/.cach
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -22,7 +23,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
@@ -183,20 +184,30 @@ def served_model(base: str) -> str | None:
     return None
 
 
-def health_figures(base: str) -> tuple[dict[str, int], tuple[int, int] | None]:
+@dataclass(frozen=True)
+class HealthFigures:
     """From a ferry server's `/health`: the resident MiB of each worker (the process, for the
-    in-process engine), and the batch rows its ingress has preempted and resumed so far (None
-    without a scheduler). ({}, None) from a server that reports neither (llama.cpp) or does not
-    answer."""
+    in-process engine); the batch rows its ingress has preempted and resumed so far (None without
+    a scheduler); healthy workers per kind (prefill, decode, colocated: the replica counts when
+    the scheduler scales them). Empty from a server that reports none (llama.cpp) or does not answer."""
+
+    memory_mib: dict[str, int] = field(default_factory=dict)
+    preemptions: tuple[int, int] | None = None
+    workers: dict[str, int] = field(default_factory=dict)
+
+
+def health_figures(base: str) -> HealthFigures:
     try:
         _, health = fetch_health(base.rstrip("/").removesuffix("/v1"), None, timeout_s=5.0)
     except Unreachable:
-        return {}, None
-    memory = {w.name: int(w.rss_mib) for w in workers_of(health) if isinstance(w.rss_mib, (int, float))}
+        return HealthFigures()
+    workers = workers_of(health)
+    memory = {w.name: int(w.rss_mib) for w in workers if isinstance(w.rss_mib, (int, float))}
+    kinds = collections.Counter(w.kind for w in workers if w.healthy)
     link = health.get("scheduler")
     if not isinstance(link, dict) or not isinstance(link.get("num_preempted"), int):
-        return memory, None
-    return memory, (int(link["num_preempted"]), int(link.get("num_resumed", 0)))
+        return HealthFigures(memory, None, dict(kinds))
+    return HealthFigures(memory, (int(link["num_preempted"]), int(link.get("num_resumed", 0))), dict(kinds))
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> str:

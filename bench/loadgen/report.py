@@ -36,14 +36,26 @@ class RatePoint:
     preemptions: tuple[int, int] | None = None
     # where the time went, from the server's own timelines (bench/loadgen/stages.py); None without
     stages: dict[str, Any] | None = None
+    # healthy workers per kind at the end of the rate (the replica counts when they are scaled); {} if none said
+    workers: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def of(rate: float, summary: Summary, records: list[ClientRecord],
            memory_mib: dict[str, tuple[int | None, int | None]] | None = None,
-           preemptions: tuple[int, int] | None = None, stages: dict[str, Any] | None = None) -> "RatePoint":
+           preemptions: tuple[int, int] | None = None, stages: dict[str, Any] | None = None,
+           workers: dict[str, int] | None = None) -> "RatePoint":
         ok = [r for r in records if r.success and r.chunk_s]
         return RatePoint(rate, summary, [r.ttft_s for r in ok], [r.e2el_s for r in ok], memory_mib or {}, preemptions,
-                         stages)
+                         stages, workers or {})
+
+    def worker_counts(self) -> str | None:
+        """"prefill/decode" (or "colocated N") healthy at the end of the rate; None if not reported."""
+        w = self.workers
+        if not w:
+            return None
+        if "colocated" in w:
+            return f"colocated {w['colocated']}"
+        return f"{w.get('prefill', 0)}/{w.get('decode', 0)}"
 
 
 @dataclass(slots=True)
@@ -140,7 +152,7 @@ def write_json(results: list[SystemResult], meta: dict[str, Any], path: Path) ->
         {"rate_rps": p.rate_rps, **p.summary.to_dict(),
          "memory_mib": {w: {"before": b, "after": a} for w, (b, a) in p.memory_mib.items()},
          "preemptions": None if p.preemptions is None else dict(zip(("preempted", "resumed"), p.preemptions)),
-         "stages": p.stages}
+         "stages": p.stages, "workers": p.workers}
         for p in r.points]} for r in results]}
     path.write_text(json.dumps(out, indent=1, default=str))
 
@@ -197,12 +209,13 @@ def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: 
              "system's goodput divided by this system's.", ""]
     sweep = [[r.name, p.rate_rps, p.summary.num_sent, p.summary.completed, round(p.summary.goodput, 3),
               round(p.summary.attainment, 3), round(p.summary.ttft_ms["p99"], 1), round(p.summary.tpot_ms["p99"], 1),
-              round(p.summary.itl_ms["p99"], 1), round(p.summary.e2el_ms["p99"], 1)]
+              round(p.summary.itl_ms["p99"], 1), round(p.summary.e2el_ms["p99"], 1), p.worker_counts()]
              for r in results for p in sorted(r.points, key=lambda p: p.rate_rps)]
     if len(sweep) > len([r for r in results if r.points]):  # a sweep: show every rate, not just the knee
-        lines += ["## Every rate", "", "```", format_table(
+        lines += ["## Every rate", "", "Last column: healthy prefill/decode workers at the end of the rate (`/health`).",
+                  "", "```", format_table(
             ["system", "rate rps", "sent", "ok", "goodput rps", "attain", "P99 TTFT ms", "P99 TPOT ms",
-             "P99 ITL ms", "P99 E2E ms"], sweep), "```", ""]
+             "P99 ITL ms", "P99 E2E ms", "workers P/D"], sweep), "```", ""]
     tenants = tenant_table(results)
     if tenants:
         lines += ["## Tenants", "", "SLO attainment per tenant; batch rows preempted and resumed (the ingress's counts) during",

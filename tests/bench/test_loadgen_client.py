@@ -218,10 +218,10 @@ def test_online_and_batch_tenants_get_their_own_attainment_with_the_preemptions_
 
 def test_a_server_without_ferry_health_reports_no_memory(server: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from bench.loadgen.cli import run_bench
-    from bench.loadgen.peers import health_figures
+    from bench.loadgen.peers import HealthFigures, health_figures
 
-    assert health_figures(server) == ({}, None)  # 404
-    assert health_figures("http://127.0.0.1:9") == ({}, None)  # nothing listening
+    assert health_figures(server) == HealthFigures()  # 404
+    assert health_figures("http://127.0.0.1:9") == HealthFigures()  # nothing listening
     assert run_bench(_args(tmp_path, "--url", server, "--rate", "3")) == 0
     assert "worker memory" not in capsys.readouterr().out
 

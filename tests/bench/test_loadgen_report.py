@@ -81,3 +81,15 @@ def test_the_table_shows_each_knee_as_a_fraction_of_the_prefill_bound(tmp_path: 
     write_results_md(results, meta, 0.9, tmp_path / "R.md", [])
     text = (tmp_path / "R.md").read_text()
     assert "prefill bound: 4.000 rps = 4000 prefill tokens/s" in text and "knee / prefill bound" in text
+
+
+def test_every_rate_shows_the_workers_serving_at_its_end(tmp_path: Path) -> None:
+    low, high = _point(1, 10, 10), _point(2, 19, 20)
+    low.workers, high.workers = {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 2}
+    meta = {"machine": "m", "command": "c", "workload": "w", "slo": {}, "when": "now"}
+    write_results_md([SystemResult("a", [low, high])], meta, 0.9, tmp_path / "R.md", [])
+    rows = [line.split() for line in (tmp_path / "R.md").read_text().splitlines() if line.startswith("a ")]
+    assert [r[-1] for r in rows[-2:]] == ["1/1", "1/2"] and "workers P/D" in (tmp_path / "R.md").read_text()
+    assert RatePoint.of(1.0, low.summary, [], workers={"colocated": 3}).worker_counts() == "colocated 3"
+    write_json([SystemResult("a", [low, high])], meta, tmp_path / "r.json")
+    assert '"decode": 2' in (tmp_path / "r.json").read_text()
