@@ -284,7 +284,7 @@ def worker_apps(cfg: AppConfig) -> dict[str, Application]:
     options = resources.actor_options()
     store_ids = ([f"{STORE_PREFIX}-{i}" for i in range(cfg.prefix_cache.num_stores)]
                  if cfg.to_cache_config() is not None and cfg.mode == "disaggregated" else [])
-    args = (worker_cfg, store_ids, threads, "ferry")
+    args = (worker_cfg, store_ids, threads, "ferry", cfg.loopback_only)
     if cfg.mode == "colocated":
         return {"decode": worker_deployment(ColocatedServer, "colocated", cfg.num_decode, options).bind(*args)}
     return {"decode": worker_deployment(DecodeServer, "decode", cfg.num_decode, options).bind(*args),

@@ -109,9 +109,9 @@ class AppConfig(ConfigSection):
                              "coarser inter-token gaps)")
     loopback_only: bool = Field(True, description="bind every listener of ferry's own to 127.0.0.1 (local runs)")
     workers_as: Literal["actors", "deployments"] = Field(
-        "actors", description="actors: the ingress starts the workers as plain Ray actors; deployments: prefill, "
-                              "decode (or colocated) workers are Serve deployments of their own (`serve status` lists "
-                              "them; Serve restarts dead replicas)")
+        "deployments", description="deployments: prefill, decode (or colocated) workers are Serve deployments of "
+                                   "their own (`serve status` lists them; Serve restarts dead replicas; the scheduler "
+                                   "may scale them); actors: the ingress starts them as plain Ray actors")
     replace_dead_workers: bool = Field(
         True, description="start a fresh worker of the same kind and name when one dies; its streams resume "
                           "there when no other worker can take them")

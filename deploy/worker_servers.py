@@ -37,6 +37,7 @@ from actors.worker_config import WorkerConfig
 from cluster.router.client import Router
 from cluster.router.pinned_router import PinnedRouter
 from cluster.router.serve_handles import ServeWorkerHandle
+from deploy.local import bind_replica_grpc_to_loopback
 
 logger = logging.getLogger(__name__)
 STORE_WAIT_S = 120.0  # a replica waits this long for the ingress to start the prefix-cache stores
@@ -66,6 +67,12 @@ def _find_stores(store_ids: list[str]) -> dict[StoreId, RayStoreHandle]:
                     raise RuntimeError(f"prefix-cache store {store_id} did not start within {STORE_WAIT_S:g}s")
                 time.sleep(0.5)
     return stores
+
+
+def _loopback(loopback_only: bool) -> None:
+    """A replica's inter-deployment gRPC server listens on 127.0.0.1 too (as the ingress's)."""
+    if loopback_only:
+        bind_replica_grpc_to_loopback()
 
 
 class _WorkerServer:
@@ -101,7 +108,9 @@ class _WorkerServer:
 class PrefillServer(_WorkerServer):
     kind = "prefill"
 
-    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str) -> None:
+    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str,
+                 loopback_only: bool = True) -> None:
+        _loopback(loopback_only)
         self.worker = PrefillActor(cfg, self._name(prefix), _find_stores(store_ids) or None, torch_threads)
 
     async def prefill(self, req: GenerationRequest, decode: str, **_: Any) -> PrefillResult:
@@ -114,7 +123,9 @@ class PrefillServer(_WorkerServer):
 class DecodeServer(_WorkerServer):
     kind = "decode"
 
-    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str) -> None:
+    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str,
+                 loopback_only: bool = True) -> None:
+        _loopback(loopback_only)
         self.worker = DecodeActor(cfg, self._name(prefix), torch_threads, _find_stores(store_ids) or None)
 
     async def announce(self, req: GenerationRequest, **_: Any) -> bool:
@@ -135,7 +146,9 @@ class DecodeServer(_WorkerServer):
 class ColocatedServer(_WorkerServer):
     kind = "colocated"
 
-    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str) -> None:
+    def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str,
+                 loopback_only: bool = True) -> None:
+        _loopback(loopback_only)
         self.worker = ColocatedActor(cfg, self._name(prefix), torch_threads)
 
     async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
