@@ -59,6 +59,7 @@ class PeerSpec:
     ferry_local_prefill: bool = True
     ferry_preempt_batch: bool = True  # interactive requests may take batch-class rows (scheduler.preempt_batch)
     ferry_torch_threads: int | None = None  # threads per engine; None: the app's split of the CPUs
+    ferry_workers_as: str | None = None  # "deployments" or "actors"; None: the app's default
 
 
 def free_port() -> int:
@@ -91,6 +92,8 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                "scheduler": {"local_prefill": spec.ferry_local_prefill}}
         if spec.ferry_torch_threads is not None:
             cfg["engine"]["torch_threads"] = spec.ferry_torch_threads
+        if spec.ferry_workers_as is not None:  # only when given: older snapshots (--ferry-src) do not know the key
+            cfg["workers_as"] = spec.ferry_workers_as
         if not spec.ferry_preempt_batch:  # only when off: older snapshots (--ferry-src) do not know the key
             cfg["scheduler"]["preempt_batch"] = False
         tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms)) if v is not None}
