@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -12,6 +13,21 @@ from typing import Any
 from actors.engine.errors import EngineError
 from deploy.bench_cli import add_bench_parser
 from deploy.ops import add_ops_parsers
+
+
+
+def _wait_serving(api: str, timeout_s: float = 120.0) -> None:
+    """Until `/health` says a request can be served (the ingress has found its worker replicas),
+    so that "ferry is up" is true of the first request sent after it."""
+    import httpx2
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx2.HTTPError, ValueError):
+            if httpx2.get(f"{api}/health", timeout=10, trust_env=False).json().get("healthy"):
+                return
+        time.sleep(0.5)
+    print(f"warning: /health did not report healthy within {timeout_s:g}s", file=sys.stderr, flush=True)
 
 
 def _cmd_models_fetch(args: argparse.Namespace) -> int:
@@ -76,6 +92,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The external scaler lets the ingress apply the scheduler's replica counts (`scheduler.scaling`).
     serve.run(build_app(raw), name="ferry", route_prefix="/", blocking=False,
               external_scaler_enabled=cfg.workers_as == "deployments")
+    _wait_serving(urls.api)
     key_hint = ' -H "Authorization: Bearer <key>"' if cfg.api.auth_required else ""
     print(f"""ferry is up ({time.perf_counter() - t0:.0f}s)
   API        {urls.api}/v1  (OpenAI-compatible; docs at {urls.api}/docs)

@@ -48,7 +48,7 @@ from cluster.router.rounds import Outcome, RecoveryCoordinator
 
 logger = logging.getLogger(__name__)
 _RECENT = 4096  # prefill results kept for inspection
-_SETTLE_S = 3.0  # after a replacement, how long "no healthy worker" may still be the scheduler's stale view
+_SETTLE_S = 3.0  # after a replacement or a join, how long "no healthy worker" may be the scheduler's stale view
 NO_HEALTHY_WORKER = "no_healthy_worker"  # the scheduler's refusal reason (cluster.admission.RefusalReason)
 
 
@@ -121,11 +121,27 @@ class Router:
         loads = await self.board.loads()
         if self.control is None:
             return self._choose(req, loads)
-        decided = await self.control.admit(req)
+        settle_until = time.monotonic() + _SETTLE_S
+        while True:
+            try:
+                decided = await self.control.admit(req)
+                break
+            except PlacementRefused as e:
+                # Workers that just joined (Serve replicas found a moment ago) are healthy here before
+                # the scheduler's next report says so: its "none" is stale, not a verdict.
+                if e.reason != NO_HEALTHY_WORKER or not self._serves(loads) or time.monotonic() >= settle_until:
+                    raise
+                await asyncio.sleep(0.2)
+                loads = await self.board.loads()
         choice = self._choose(req, loads, decided)
         if decided is None:
             choice = replace(choice, priority=(self.control.fallback_rank(req), req.arrival_time))
         return choice
+
+    def _serves(self, loads: Mapping[str, WorkerLoad]) -> bool:
+        """Whether this router sees a healthy worker of every kind a request needs."""
+        prefills, decodes = self.board.split(loads)
+        return any(w.healthy for w in decodes) and (not prefills or any(w.healthy for w in prefills))
 
     async def _place_locally(self, flight: InFlight) -> PlacementChoice:
         return self._choose(flight.resume_request(), await self.board.loads())

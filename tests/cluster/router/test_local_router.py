@@ -21,6 +21,7 @@ from actors.engine.sampling import SamplingParams
 from actors.handoff import kv_layout
 from actors.messages import GenerationRequest
 from actors.prefill import PrefillWorker
+from cluster.router.choice import PlacementRefused
 from cluster.router.client import Router
 from cluster.router.config import RecoveryConfig, RouterConfig
 from cluster.router.handles import LocalWorkerHandle
@@ -125,3 +126,40 @@ def test_a_decode_worker_killed_mid_stream_is_survived_on_the_other_one(workers:
     assert any(rec.dead == (victim,) for rec in router.recoveries.log)
     survivor = next(d for d in workers.decode_workers if d.name != victim)
     survivor.engine.engine.check_integrity()
+
+
+class _StaleScheduler:
+    """A control plane whose view lags: it says "no healthy worker" twice, then lets the router place."""
+
+    available, preempt_batch = True, False
+
+    def __init__(self) -> None:
+        self.refusals = 2
+
+    def attach(self, source: object) -> None: ...
+    def fallback_rank(self, req: object) -> int: return 0
+    def on_placed(self, flight: object) -> None: ...
+    def on_stage(self, *a: object) -> None: ...
+    def on_tokens(self, *a: object) -> None: ...
+    def on_done(self, *a: object) -> None: ...
+    def on_preempted(self, flight: object) -> None: ...
+
+    async def admit(self, req: object) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise PlacementRefused("no_healthy_worker", 1.0, 503)
+        return None  # away: the router places it
+
+
+def test_a_schedulers_stale_no_healthy_worker_is_waited_out_when_the_router_sees_workers(
+        workers: Workers, tiny_model_dir: Path) -> None:
+    reqs = requests("stale", [9])
+    want = reference(tiny_model_dir, [list(r.prompt_token_ids) for r in reqs], PARAMS)
+    control = _StaleScheduler()
+
+    async def main() -> list[int]:
+        await workers.wire()
+        router = Router(workers.prefills, workers.decodes, RouterConfig(load_ttl_s=0.0), control=control)  # type: ignore[arg-type]
+        return streamed_ids([e async for e in router.generate(reqs[0])])
+
+    assert [asyncio.run(main())] == want and control.refusals == 0
