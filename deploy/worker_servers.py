@@ -191,6 +191,8 @@ class ServeWorkers:
         async with self._lock:
             decodes = await self.identify(self.decode)
             prefills = await self.identify(self.prefill) if self.prefill is not None else []
+            if not self.known and self.prefill is not None and not (prefills and decodes):
+                return []  # at start, both kinds or neither: a half-started app would prefill on decode
             new_decodes = [w for w in decodes if w.replica_id not in self.known]
             new_prefills = [w for w in prefills if w.replica_id not in self.known]
             live_prefills = [self._handle(w) for w in prefills]

@@ -117,7 +117,9 @@ class Router:
 
     async def _place(self, req: GenerationRequest) -> PlacementChoice:
         """A new request's placement: the control plane's decision, or the local policy's when it
-        is away (then queued by arrival, in its SLO class)."""
+        is away (then queued by arrival, in its SLO class). A request that comes before any worker
+        is known (Serve replicas still starting) waits for them, as long as a replacement would."""
+        await self.board.wait_for_workers(self.recovery_cfg.replace_wait_s)
         loads = await self.board.loads()
         if self.control is None:
             return self._choose(req, loads)

@@ -80,6 +80,17 @@ class LoadBoard:
         """(prefill loads, decode loads), as placement takes them."""
         return [loads[n] for n in self.prefills if n in loads], [loads[n] for n in self.decodes if n in loads]
 
+    async def wait_for_workers(self, timeout_s: float) -> None:
+        """Until `discover` has found a worker (Serve replicas still starting when the ingress took its
+        first request), at most `timeout_s`; at once when some are known or nothing discovers them."""
+        deadline = time.monotonic() + timeout_s
+        while self.discover is not None and not (self.prefills or self.decodes) and time.monotonic() < deadline:
+            await self._discover()
+            if not (self.prefills or self.decodes):
+                await asyncio.sleep(0.5)
+        if self.prefills or self.decodes:
+            self._discovered_at = time.monotonic()
+
     async def _discover(self) -> None:
         assert self.discover is not None
         try:
