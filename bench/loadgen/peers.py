@@ -213,13 +213,25 @@ def health_figures(base: str) -> HealthFigures:
     return HealthFigures(memory, (int(link["num_preempted"]), int(link.get("num_resumed", 0))), dict(kinds))
 
 
+def _serving(base: str) -> bool:
+    """Whether a ferry server's `/health` says a request can be served now (its ingress answers
+    before its worker deployments do); True for servers without one (llama.cpp answers 200 or 404)."""
+    with contextlib.suppress(httpx2.HTTPError, ValueError):
+        r = httpx2.get(f"{base.rstrip('/').removesuffix('/v1')}/health", timeout=5.0, trust_env=False)
+        if r.status_code == 404:
+            return True
+        body = r.json()
+        return bool(body.get("healthy", True)) if isinstance(body, dict) else True
+    return False
+
+
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-600:]
             raise PeerUnavailable(f"exited with {proc.returncode} before serving; log tail: {tail}")
-        if model := served_model(base):
+        if (model := served_model(base)) and _serving(base):
             return model
         time.sleep(1.0)
     raise PeerUnavailable(f"not ready after {timeout_s:.0f}s (log: {log_path})")
