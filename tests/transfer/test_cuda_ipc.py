@@ -236,7 +236,16 @@ def test_resolver_register_buffers_and_close() -> None:
         with b.recv(1.0) as d:
             assert bytes(d.data) == b"hello"
         old = b.metadata()
-        b.register_buffers(0, 2 * MIB)
+        # A release is queued to the receiver's thread (`IpcReceiver.release`): idle a moment later.
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                b.register_buffers(0, 2 * MIB)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         assert b.metadata() != old and b.stats().registered_bytes == 2 * MIB
         with pytest.raises(PeerGone):  # the old arena and port are gone
             a.send("ipc-res-b", [b"again"], timeout_s=2.0)
