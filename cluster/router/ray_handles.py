@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ray.actor import ActorHandle
@@ -29,6 +29,19 @@ from cluster.router.handles import WorkerGone, WorkerUnreachable
 T = TypeVar("T")
 _BACKGROUND: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
 DISCARD_TIMEOUT_S = 120.0
+
+
+def drain_in_background(consume: Coroutine[Any, Any, None]) -> None:
+    """Runs `consume` (reading an abandoned stream to its end) as a task the loop keeps, for at most
+    `DISCARD_TIMEOUT_S`; its errors are dropped: only the stream's end matters."""
+    async def bounded() -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(DISCARD_TIMEOUT_S):
+                await consume
+
+    task = asyncio.ensure_future(bounded())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def named_failure(name: str, error: RayActorError) -> WorkerUnreachable:
@@ -57,20 +70,12 @@ class RayTokenStream:
         return await _call(self._name, ref)
 
     def discard(self) -> None:
-        refs = self._refs
+        async def consume() -> None:
+            async for ref in self._refs:
+                with contextlib.suppress(Exception):
+                    await ref
 
-        async def drain() -> None:
-            try:
-                async with asyncio.timeout(DISCARD_TIMEOUT_S):
-                    async for ref in refs:
-                        with contextlib.suppress(Exception):
-                            await ref
-            except Exception:  # noqa: BLE001 - the stream's end is all that matters
-                pass
-
-        task = asyncio.ensure_future(drain())
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        drain_in_background(consume())
 
 
 class RayWorkerHandle:

@@ -11,8 +11,6 @@ told to abort it), never cancelled from here: Serve's cancel may block the event
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -23,10 +21,9 @@ from ray.serve.handle import DeploymentHandle
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from cluster.router.handles import WorkerGone
 from cluster.router.pinned_router import REPLICA_KW
-from cluster.router.ray_handles import DISCARD_TIMEOUT_S, named_failure
+from cluster.router.ray_handles import drain_in_background, named_failure
 
 T = TypeVar("T")
-_BACKGROUND: set[asyncio.Task[None]] = set()
 
 
 async def _call(name: str, response: Awaitable[T]) -> T:
@@ -50,17 +47,11 @@ class ServeTokenStream:
         return await _call(self._name, self._gen.__anext__())
 
     def discard(self) -> None:
-        gen = self._gen
+        async def consume() -> None:
+            async for _ in self._gen:
+                pass
 
-        async def drain() -> None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(DISCARD_TIMEOUT_S):
-                    async for _ in gen:
-                        pass
-
-        task = asyncio.ensure_future(drain())
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        drain_in_background(consume())
 
 
 class ServeWorkerHandle:

@@ -1,8 +1,11 @@
-"""Shared by the tests that run the whole Serve app: waiting until it answers healthy."""
+"""Shared by the tests that run the whole Serve app: running it on loopback until it answers healthy."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -21,3 +24,22 @@ def wait_until_healthy(url: str, timeout_s: float = 300.0) -> None:
             pass
         time.sleep(1)
     pytest.fail(f"the app did not become healthy in {timeout_s:g} s")
+
+
+@contextmanager
+def served_app(name: str, port: int, cfg: dict[str, Any], **run_options: Any) -> Iterator[str]:
+    """`deploy.apps.build_app(cfg)` served on 127.0.0.1:`port` as app `name`, healthy; its base URL.
+    Deleted, and Serve shut down, on exit."""
+    from ray import serve
+
+    from deploy.apps import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False, **run_options)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url)
+        yield url
+    finally:
+        serve.delete(name)
+        serve.shutdown()

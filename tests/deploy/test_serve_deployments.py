@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.serving import wait_until_healthy
+from tests.deploy.serving import served_app, wait_until_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -26,25 +26,14 @@ PROMPT = "The ferry leaves the harbor at seven in the morning"
 
 @pytest.fixture(scope="module")
 def served(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[str]:
-    from ray import serve
-
-    from deploy.apps import build_app
-
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     cfg = {
         "model": str(tiny_model_dir), "workers_as": "deployments",
         "engine": {"dtype": "float32", "kv_cache_mib": 4, "torch_threads": 1},
         "prefix_cache": {"num_stores": 1, "dram_mib": 8, "disk_mib": 0}, "transfer": {"staging_mib": 8},
         "api": {"auth_required": False},
     }
-    serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{PORT}"
-    wait_until_healthy(url)
-    try:
+    with served_app(APP, PORT, cfg) as url:
         yield url
-    finally:
-        serve.delete(APP)
-        serve.shutdown()
 
 
 def reference(model: Path, max_tokens: int) -> str:

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.deploy.serving import wait_until_healthy
+from tests.deploy.serving import served_app, wait_until_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -26,25 +26,14 @@ MAX_TOKENS = 300
 
 @pytest.fixture(scope="module")
 def served(ray_cluster: ModuleType, tiny_model_dir: Path) -> Iterator[str]:
-    from ray import serve
-
-    from deploy.apps import build_app
-
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     cfg = {
         "model": str(tiny_model_dir), "workers_as": "deployments",
         "engine": {"dtype": "float32", "kv_cache_mib": 4, "torch_threads": 1, "max_num_seqs": 2},
         "prefix_cache": {"num_stores": 0}, "api": {"auth_required": False},
         "scheduler": {"scaling": {"max_decode": 2, "up_delay_s": 1.0, "down_delay_s": 5.0}},
     }
-    serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False, external_scaler_enabled=True)
-    url = f"http://127.0.0.1:{PORT}"
-    wait_until_healthy(url)
-    try:
+    with served_app(APP, PORT, cfg, external_scaler_enabled=True) as url:
         yield url
-    finally:
-        serve.delete(APP)
-        serve.shutdown()
 
 
 def decode_replicas() -> int:
