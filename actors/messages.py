@@ -63,6 +63,10 @@ class GenerationRequest:
     # 0 interactive, 1 batch: engines admit waiting requests of a smaller rank first. Set from the
     # placement's priority (the scheduler knows the request's SLO class).
     priority_rank: int = 0
+    # The secret that keys this request's KV shadows in the prefix-cache pool (`kv_shadow.py`):
+    # set by the router, the same for every attempt, so a resume finds the blocks an earlier one
+    # saved and nobody else can. None: not shadowed (a recovery recomputes).
+    shadow_salt: str | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object

@@ -8,6 +8,10 @@ stopping at the first payload that does not decode or names another hash (a miss
 has and puts only the rest, so a popular prefix is sent once, not once per request. Offers beyond
 `max_pending` are dropped: the cache is an optimisation and must never queue without bound.
 
+`shadow` puts a running request's next full blocks under its private shadow chain (no lookup
+first: nobody else has them), tagged with the request's epoch; `fetch(..., epoch=)` then accepts
+only blocks carrying it. `remove` drops a chain. Both share the offers' one thread and bound.
+
 `import_prefix` is the lookup before a prompt is computed, for any engine that prefills: the
 prefill worker's, and a decode worker's when the scheduler has it prefill a request itself (it
 fetches from the pool but does not offer). The pool turns store failures into misses within its
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -54,8 +58,10 @@ class PoolLink:
         self._pending: set[Future[int]] = set()
         self._num_fetched = self._num_offered = self._num_stored = self._num_dropped = 0
 
-    def fetch(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
-        """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds. Blocking."""
+    def fetch(self, hashes: Sequence[BlockHash], epoch: int | None = None) -> tuple[list[BlockHash], torch.Tensor | None]:
+        """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds: each block
+        passed the codec's checksum and carries its own hash (and `epoch`, when given, as its
+        transfer id); the run ends at the first that does not. Blocking."""
         if not hashes:
             return [], None
         kvs: list[torch.Tensor] = []
@@ -69,6 +75,10 @@ class PoolLink:
             if hdr.block_hashes != (int(h),) or hdr.layers != range(self.layout.num_layers):
                 logger.warning("prefix pool block %032x holds another block; treating it as a miss", h)
                 break
+            if epoch is not None and hdr.transfer_id != epoch:
+                logger.warning("prefix pool block %032x is from epoch %d, not %d (stale); treating it as a miss",
+                               h, hdr.transfer_id, epoch)
+                break
             kvs.append(shard.kv)
         with self._lock:
             self._num_fetched += len(kvs)
@@ -79,23 +89,36 @@ class PoolLink:
         """Queues the full blocks `hashes` (KV [L, 2, n, ...], a private copy) for the pool; False
         when dropped because too many offers are in flight."""
         assert kv.shape[2] == len(hashes)
-        if not hashes:
-            return True
+        return not hashes or self._submit(self._offer, list(hashes), kv)
+
+    def shadow(self, hashes: Sequence[BlockHash], kv: torch.Tensor, epoch: int) -> bool:
+        """Queues the full blocks `hashes` of a request's shadow chain (KV a private copy, always
+        sent exact), each tagged with `epoch`; False when dropped (too many in flight)."""
+        assert kv.shape[2] == len(hashes)
+        return not hashes or self._submit(self._put, list(hashes), kv, 0, "none", epoch)
+
+    def remove(self, hashes: Sequence[BlockHash]) -> bool:
+        """Queues dropping the blocks `hashes` from the pool; False when dropped."""
+        return not hashes or self._submit(lambda: self.pool.remove(list(hashes)).wait())
+
+    def _submit(self, fn: Callable[..., int], *args: object) -> bool:
         with self._lock:
             if len(self._pending) >= self.max_pending:
                 self._num_dropped += 1
                 return False
-            future = self._executor.submit(self._offer, list(hashes), kv)
+            future = self._executor.submit(fn, *args)
             self._pending.add(future)
         future.add_done_callback(self._done)
         return True
 
     def _offer(self, hashes: list[BlockHash], kv: torch.Tensor) -> int:
-        have = self.pool.match_prefix(hashes)
+        return self._put(hashes, kv, self.pool.match_prefix(hashes), self.compression, 0)
+
+    def _put(self, hashes: list[BlockHash], kv: torch.Tensor, have: int, compression: str, epoch: int) -> int:
         blocks = []
         for j in range(have, len(hashes)):
-            (payload,) = encode(kv[:, :, j : j + 1], self.layout, compression=self.compression, num_shards=1,
-                                block_hashes=[hashes[j]])
+            (payload,) = encode(kv[:, :, j : j + 1], self.layout, compression=compression, num_shards=1,
+                                block_hashes=[hashes[j]], transfer_id=epoch)
             blocks.append((hashes[j], bytes(payload)))
         stored = self.pool.put(blocks).wait() if blocks else 0
         with self._lock:

@@ -37,7 +37,8 @@ class WorkerConfig:
     transfer_timeout_s: float = 10.0  # prefill: one send, all shards
     recv_poll_s: float = 0.05  # decode: receiver wake-up period (also the lease check period)
     pool_timeout_s: float = 2.0  # prefill: one pool fan-out; a slower store is a miss
-    max_pending_offers: int = 64  # prefill: background pool offers beyond this are dropped
+    max_pending_offers: int = 64  # background pool offers (and KV shadows) beyond this wait or are dropped
+    max_shadow_blocks: int = 4096  # decode: pool blocks its running requests' KV shadows may hold
     stream_interval: int = 1  # decode: tokens per streamed delta after the first (1 = every token)
     # Deprecated twin of `transfer.ucx_net_devices` (the transport's own setting, "lo" by default),
     # kept while deploy/config.py still passes it; when set it is applied first and so wins.

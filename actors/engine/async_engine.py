@@ -15,13 +15,16 @@ import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from actors.engine.engine import Engine
-from actors.errors import EngineDead
+from actors.errors import EngineDead, NoCapacity
 from actors.engine.options import RequestOptions
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,9 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        # Called after each step, engine lock held, with the step's outputs (KV shadowing): a hook
+        # that raises is logged, never allowed to stop the engine.
+        self.after_step: list[Callable[[Engine, list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
         self._thread.start()
 
@@ -61,12 +67,27 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs until it finishes. Bad input raises before the first
         yield. `params` and `options` go to `Engine.add_request`."""
+        async for out in self._run(request_id, self.engine.add_request, request_id, prompt, params, options):
+            yield out
+
+    async def resume(self, request_id: str, prompt: list[int], params: SamplingParams, kv: "torch.Tensor",
+                     options: RequestOptions) -> AsyncIterator[RequestOutput]:
+        """`generate` for a request resumed from its saved KV (`Engine.resume_from_kv`); raises
+        `NoCapacity` before the first yield when the engine has no room for it now."""
+        def add(*args: Any) -> None:
+            if not self.engine.resume_from_kv(*args):
+                raise NoCapacity(f"no room to resume {request_id} here now")
+
+        async for out in self._run(request_id, add, request_id, prompt, params, kv, options):
+            yield out
+
+    async def _run(self, request_id: str, add_fn: Callable[..., Any], *args: Any) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         loop = asyncio.get_running_loop()
 
         def add() -> asyncio.Queue[RequestOutput | BaseException]:
             with self._lock:
-                self.engine.add_request(request_id, prompt, params, options)
+                add_fn(*args)
                 return self._open(request_id, loop)
 
         try:
@@ -140,6 +161,13 @@ class AsyncEngine:
             if not finished:
                 self._abort_soon(request_id)
 
+    def _run_hooks(self, outputs: list[RequestOutput]) -> None:
+        for hook in self.after_step:
+            try:
+                hook(self.engine, outputs)
+            except Exception:  # noqa: BLE001 - a helper's bug must not kill every stream
+                logger.exception("after-step hook %r failed", hook)
+
     def _abort_soon(self, request_id: str) -> None:
         # Not awaited on purpose: a cancelled consumer (client gone) may be cancelled again inside
         # its cleanup, and the abort must happen anyway. The executor runs it whatever we do next.
@@ -179,6 +207,7 @@ class AsyncEngine:
                     logits = self.engine.runner.execute(prepared.chunks)
                     with self._lock:
                         outputs = self.engine.finish_step(prepared, logits)
+                        self._run_hooks(outputs)
             except BaseException as e:  # noqa: BLE001 - fail every stream, not silently
                 logger.exception("engine step failed")
                 with self._lock:

@@ -188,6 +188,31 @@ class Engine:
         self.scheduler.add_running(req)
         return req
 
+    def resume_from_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv: torch.Tensor, options: RequestOptions) -> bool:
+        """Resumes a request (prompt + `options.output_token_ids`) from KV saved by the engine that
+        ran it before: `kv` [num_layers, 2, n, block_size, Hkv, D] holds its first n full blocks.
+        They are written into fresh blocks and the request joins the running batch; the tail is
+        computed here, its output positions one token a step as the interrupted decode steps did,
+        so the continuation has the same bits. False (nothing changed) when there is no room now."""
+        bs = self.cfg.block_size
+        num_tokens = len(prompt_token_ids) + len(options.output_token_ids)
+        n = min(kv.shape[2], (num_tokens - 1) // bs)  # the last token is always computed here
+        if n < 1:
+            raise ValueError(f"{request_id}: no full block of saved KV to resume from")
+        block_ids = self.reserve(
+            request_id, prompt_token_ids, options.output_token_ids, params, seed=options.seed if options.seed is not None
+            else (params.seed if params.seed is not None else self._rng.getrandbits(63)),
+            num_kv_tokens=n * bs, extra_keys=options.extra_keys,
+            num_shared_prefix_tokens=options.num_shared_prefix_tokens)
+        if block_ids is None:
+            return False
+        self.runner.write_blocks(block_ids, kv[:, :, :n])
+        req = self.commit(request_id)
+        req.stepwise_from = req.num_prompt_tokens - 1
+        req.priority_rank = options.priority_rank
+        return True
+
     def cancel_reservation(self, request_id: str) -> bool:
         """KV that never arrived: frees the reserved blocks."""
         req = self._reserved.pop(request_id, None)

@@ -56,6 +56,10 @@ class Request:
     # 0 interactive, 1 batch: waiting requests of a smaller rank are admitted first.
     priority_rank: int = 0
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
+    # Resumed from saved KV: tokens from this position on are computed one per step, the way the
+    # decode steps of the interrupted run computed them, so their KV (and what follows) has the
+    # same bits. None: chunks as the budget allows.
+    stepwise_from: int | None = None
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
 

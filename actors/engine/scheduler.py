@@ -43,8 +43,13 @@ def _take(req: Request, want: int, budget: int, capped: int | None, caps_apply: 
     prompt chunks after it (`capped`, None before the first). Requests with `max_chunk_tokens`
     (local prefills on a decode worker) share one chunk's room per step, at most the smallest cap
     among them, so two at once do not double the step; their single decode tokens are never
-    capped, and no cap applies in a step without decode rows (`caps_apply` False)."""
+    capped, and no cap applies in a step without decode rows (`caps_apply` False). A request
+    resumed from saved KV computes its tail up to `stepwise_from` in one chunk, then one token a
+    step (replaying its decode steps)."""
     n = min(want, budget)
+    if req.stepwise_from is not None:
+        ahead = req.stepwise_from - req.num_computed_tokens
+        n = min(n, ahead) if ahead > 0 else min(n, 1)
     if req.max_chunk_tokens is None or want <= 1 or not caps_apply:
         return n, capped
     room = req.max_chunk_tokens if capped is None else min(capped, req.max_chunk_tokens)
@@ -133,6 +138,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.stepwise_from = None  # recomputed whole: nothing left to replay bit for bit
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)

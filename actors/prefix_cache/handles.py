@@ -14,6 +14,7 @@ store's own exception. Arguments and results are ints, bytes, lists and dicts on
 
 from __future__ import annotations
 
+import threading
 from typing import Literal, Protocol
 
 from actors.prefix_cache.store import PrefixCacheStore
@@ -59,13 +60,14 @@ class _Finished:
 
 
 class LocalStoreHandle:
-    """A plain `PrefixCacheStore` in this process. Calls run synchronously inside `call`, so
-    there is no deadline to enforce; `fail()` makes it behave like a dead actor for tests and
-    for taking a store out by hand."""
+    """A plain `PrefixCacheStore` in this process. Calls run synchronously inside `call`, one at
+    a time (a worker's offer, shadow and fetch threads share it), so there is no deadline to
+    enforce; `fail()` makes it behave like a dead actor for tests and for taking a store out by hand."""
 
     def __init__(self, store: PrefixCacheStore) -> None:
         self.store = store
         self.failed = False
+        self._lock = threading.Lock()
 
     def fail(self) -> None:
         self.failed = True
@@ -74,6 +76,7 @@ class LocalStoreHandle:
         if self.failed:
             return _Finished(error=StoreUnavailable(f"store {self.store.store_id} was failed by hand"))
         try:
-            return _Finished(value=getattr(self.store, method)(*args))
+            with self._lock:
+                return _Finished(value=getattr(self.store, method)(*args))
         except Exception as e:  # delivered at result(), like a remote error would be
             return _Finished(error=e)

@@ -49,8 +49,8 @@ class PoolStats:
 
 
 class PendingPut:
-    """A put in flight. Dropping it is fine (fire and forget); `wait` collects how many blocks
-    the stores newly stored, counting a failed store as zero."""
+    """A put (or remove) in flight. Dropping it is fine (fire and forget); `wait` collects how many
+    blocks the stores newly stored (or removed), counting a failed store as zero."""
 
     def __init__(self, pool: PrefixCachePool, calls: list[tuple[StoreId, PendingCall]]) -> None:
         self._pool = pool
@@ -272,6 +272,14 @@ class PrefixCachePool:
         positions, handles = self._route([h for h, _ in checked])
         args = {s: ([checked[i] for i in pos],) for s, pos in positions.items()}
         return PendingPut(self, self._start("put", args, handles))
+
+    def remove(self, hashes: Sequence[BlockHash]) -> PendingPut:
+        """Drops blocks from their owners (a request's KV shadows once it ended) and returns at
+        once; `wait` collects how many were there."""
+        hashes = [check_block_hash(h) for h in hashes]
+        positions, handles = self._route(hashes)
+        args = {s: ([hashes[i] for i in pos],) for s, pos in positions.items()}
+        return PendingPut(self, self._start("remove", args, handles))
 
     def stats(self) -> PoolStats:
         self._heal()

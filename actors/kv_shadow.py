@@ -1,0 +1,160 @@
+"""KV shadows: a decode worker copies each running request's full KV blocks to the prefix-cache
+pool as they fill, so a preemption or a recovery resumes from that KV instead of recomputing it.
+
+Mental model: a request with a `shadow_salt` (the router draws one secret per request) has a
+private hash chain over prompt + output tokens, salted with its tenant's salt and the secret, so
+no other request can name, hit or overwrite its blocks. After every engine step (`after_step`,
+under the engine lock, so a block read is the KV the step left and not one reused since), the
+blocks that filled are read out and queued for the pool on the worker's offer thread, exact
+(no compression) and tagged with the request's epoch. A refused offer (the thread is busy) is
+simply tried again after the next step: that is the bandwidth bound. When the request finishes
+(stop or length), its whole chain is removed from the pool, wherever earlier attempts put it.
+
+Resuming (`fetch`): the chain of the resumed tokens is fetched up to the first block that is
+missing or fails verification (checksum, its own hash, this request's epoch): everything from
+there on is recomputed, so a bad block costs time, never a wrong token. The engine then computes
+the tail one token a step (`Engine.resume_from_kv`), which makes the continuation bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engine.block_hash import BlockHash, hash_block, hash_block_chain
+from actors.engine.block_hash import ROOT_HASH
+from actors.engine.engine import Engine
+from actors.engine.output import RequestOutput
+from actors.messages import CacheKey, GenerationRequest
+from actors.pool_link import PoolLink
+
+logger = logging.getLogger(__name__)
+
+SHADOW_KEY = "kv-shadow"
+_ENDED = ("stop", "length")  # a request that ended so will not be resumed; an abort may be (preemption)
+
+
+def shadow_keys(req: GenerationRequest) -> tuple[CacheKey, ...]:
+    assert req.shadow_salt is not None
+    return (*(req.cache_salt or ()), SHADOW_KEY, req.shadow_salt)
+
+
+def shadow_epoch(req: GenerationRequest) -> int:
+    """The u64 every shadow block of the request carries as its transfer id."""
+    assert req.shadow_salt is not None
+    return int.from_bytes(hashlib.sha256(b"epoch:" + req.shadow_salt.encode()).digest()[:8], "little")
+
+
+def resume_hashes(req: GenerationRequest, block_size: int) -> list[BlockHash]:
+    """The shadow chain of a resumed request's known tokens, without a block that would hold its
+    last token (the engine computes that one to sample the next)."""
+    tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
+    return hash_block_chain(tokens[: len(tokens) - 1], block_size, shadow_keys(req))
+
+
+@dataclass
+class _Tracked:
+    keys: tuple[CacheKey, ...]
+    epoch: int
+    hashes: list[BlockHash] = field(default_factory=list)  # the chain so far
+    num_shadowed: int = 0  # leading blocks in the pool (queued)
+
+
+@dataclass(frozen=True)
+class ShadowStats:
+    num_tracked: int  # requests being shadowed now
+    num_shadow_blocks: int  # of theirs, in the pool (or queued for it)
+    num_shadowed_blocks: int  # ever queued
+    num_shadowed_bytes: int  # their raw KV bytes
+    num_deferred: int  # steps a request's new blocks waited for the offer thread
+    num_capped: int  # steps a request's new blocks waited for room under max_blocks
+    num_removed_chains: int  # chains dropped from the pool as their request ended
+    num_resumed: int  # resumes that imported shadow blocks
+    num_resumed_blocks: int
+
+
+class KVShadows:
+    """One decode worker's shadowing of its running requests (`track`, `after_step`) and its
+    lookups of shadows to resume from (`fetch`). `max_blocks` bounds the pool memory this
+    worker's live shadows take: beyond it, new blocks wait (and a recovery recomputes them)."""
+
+    def __init__(self, link: PoolLink, block_size: int, max_blocks: int = 4096) -> None:
+        self.link = link
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._lock = threading.Lock()
+        self._tracked: dict[str, _Tracked] = {}  # by engine request id
+        self._n = dict.fromkeys(("shadowed", "bytes", "deferred", "capped", "removed", "resumed", "resumed_blocks"), 0)
+
+    def track(self, request_id: str, req: GenerationRequest, num_in_pool: int = 0) -> None:
+        """Shadows `request_id` (the engine's id of `req`) from now on; its first `num_in_pool`
+        blocks are already there (imported from its shadows)."""
+        if req.shadow_salt is None:
+            return
+        hashes = resume_hashes(req, self.block_size)[:num_in_pool]
+        with self._lock:
+            self._tracked[request_id] = _Tracked(shadow_keys(req), shadow_epoch(req), hashes, len(hashes))
+
+    def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        """Queues the blocks that filled in the step that just ended. Engine lock held."""
+        bs = self.block_size
+        with self._lock:
+            for out in outputs:
+                if out.finished and out.request_id in self._tracked:
+                    t = self._tracked.pop(out.request_id)
+                    if out.finish_reason in _ENDED and self.link.remove(t.hashes[: t.num_shadowed]):
+                        self._n["removed"] += 1
+            live = sum(t.num_shadowed for t in self._tracked.values())
+            for request_id, t in list(self._tracked.items()):
+                req = engine.requests.get(request_id)
+                if req is None:  # aborted: its shadows stay for a resume (the pool's LRU bounds them)
+                    del self._tracked[request_id]
+                    continue
+                full = req.num_computed_tokens // bs
+                if full <= t.num_shadowed:
+                    continue
+                if live + full - t.num_shadowed > self.max_blocks:
+                    self._n["capped"] += 1
+                    continue
+                self._extend(t, req.token_ids, full * bs)
+                ids = engine.kv.block_ids(request_id)[t.num_shadowed : full]
+                kv = engine.runner.read_blocks(ids)
+                if not self.link.shadow(t.hashes[t.num_shadowed : full], kv, t.epoch):
+                    self._n["deferred"] += 1
+                    continue
+                self._n["shadowed"] += full - t.num_shadowed
+                self._n["bytes"] += kv.numel() * kv.element_size()
+                live += full - t.num_shadowed
+                t.num_shadowed = full
+
+    def _extend(self, t: _Tracked, token_ids: list[int], num_tokens: int) -> None:
+        bs = self.block_size
+        while (len(t.hashes) + 1) * bs <= num_tokens:
+            i = len(t.hashes)
+            parent = t.hashes[-1] if t.hashes else ROOT_HASH
+            t.hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], t.keys))
+
+    def fetch(self, req: GenerationRequest) -> torch.Tensor | None:
+        """KV [L, 2, n, bs, Hkv, D] of the resumed request's leading shadow blocks that verify (None:
+        not one). Blocking (the pool)."""
+        if req.shadow_salt is None:
+            return None
+        _, kv = self.link.fetch(resume_hashes(req, self.block_size), epoch=shadow_epoch(req))
+        if kv is not None:
+            with self._lock:
+                self._n["resumed"] += 1
+                self._n["resumed_blocks"] += kv.shape[2]
+        return kv
+
+    def stats(self) -> ShadowStats:
+        with self._lock:
+            n = self._n
+            return ShadowStats(
+                num_tracked=len(self._tracked), num_shadow_blocks=sum(t.num_shadowed for t in self._tracked.values()),
+                num_shadowed_blocks=n["shadowed"], num_shadowed_bytes=n["bytes"], num_deferred=n["deferred"],
+                num_capped=n["capped"], num_removed_chains=n["removed"], num_resumed=n["resumed"],
+                num_resumed_blocks=n["resumed_blocks"])

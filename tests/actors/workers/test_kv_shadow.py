@@ -1,0 +1,172 @@
+"""KV shadows: a decode worker copies a request's KV blocks to the prefix-cache pool as they fill;
+a stream cut off mid-way resumes on another decode worker from those blocks, computing only the
+tail, and continues with exactly the tokens of an uninterrupted run, in bfloat16 too (where a
+recompute takes another path). A shadow block that is corrupt, truncated or stale is never decoded
+from: the resume recomputes from that block on."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.engine.sampling import SamplingParams
+from actors.kv_shadow import resume_hashes
+from actors.messages import GenerationRequest
+from actors.prefix_cache.pool import PrefixCachePool
+
+from .harness import NUM_BLOCKS, LocalCluster, random_tokens, streamed_ids, worker_config
+from .test_pool import make_pool
+
+GREEDY_LONG = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=48, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+CUT = 20  # tokens streamed before the worker is lost: prompt 53 + 20 = 4 full blocks shadowed
+
+
+async def _cut_run(cluster: LocalCluster, req: GenerationRequest, cut: int) -> list[int]:
+    """Streams `req` until `cut` tokens arrived, then drops the stream (the worker is 'lost')."""
+    decode = cluster.decode
+    assert decode is not None
+    assert await decode.announce(req)
+    await cluster.prefills[0].prefill(req, cluster.peer)
+    got: list[int] = []
+    stream = decode.generate_after_kv(req.request_id)
+    async for event in stream:
+        got += event.output.new_token_ids
+        if len(got) >= cut:
+            break
+    await stream.aclose()
+    await asyncio.sleep(0.2)  # a step or two: the blocks that filled meanwhile are queued too
+    assert decode.pool is not None and await asyncio.to_thread(decode.pool.flush, 10.0)
+    return got
+
+
+async def _resume(worker: LocalCluster, req: GenerationRequest, done: list[int]) -> tuple[list[int], int]:
+    """(tokens the resume streams, tokens its engine ran through the model)."""
+    decode = worker.decode
+    assert decode is not None
+    before = decode.engine.engine.stats().num_forwarded_tokens
+    resumed = replace(req, request_id=f"{req.request_id}~r1", output_token_ids=tuple(done))
+    events = [e async for e in decode.generate(resumed)]
+    return streamed_ids(events), decode.engine.engine.stats().num_forwarded_tokens - before
+
+
+def _cfg(model: Path, dtype: str):  # type: ignore[no-untyped-def]
+    return worker_config(model, engine=EngineConfig(num_blocks=NUM_BLOCKS, dtype=dtype))
+
+
+@pytest.mark.parametrize("params", [GREEDY_LONG, SEEDED], ids=["greedy", "seeded"])
+def test_resume_from_shadows_is_token_identical_in_bfloat16(tiny_model_dir: Path, tmp_path: Path,
+                                                            params: SamplingParams) -> None:
+    prompt = random_tokens(53, seed=11)
+    req = GenerationRequest("s", prompt, params, shadow_salt="c0ffee")
+
+    async def main() -> None:
+        pool, _ = make_pool(tmp_path)
+        cfg = _cfg(tiny_model_dir, "bfloat16")
+        first = await LocalCluster.start(cfg, num_prefill=1, pool=pool, decode_pool=True)
+        spare = await LocalCluster.start(cfg, num_prefill=0, pool=pool, decode_pool=True)
+        try:
+            assert await first.decode.announce(replace(req, request_id="whole"))  # type: ignore[union-attr]
+            await first.prefills[0].prefill(replace(req, request_id="whole"), first.peer)
+            want = streamed_ids([e async for e in first.decode.generate_after_kv("whole")])  # type: ignore[union-attr]
+            done = await _cut_run(first, req, CUT)
+            assert done == want[: len(done)]
+            shadows = first.decode.shadow_stats()  # type: ignore[union-attr]
+            assert shadows is not None and shadows.num_shadowed_blocks >= 4
+
+            rest, forwarded = await _resume(spare, req, done)
+            assert done + rest == want
+            # 4 blocks came from the pool: the engine ran the tail (73 - 64 = 9 tokens, one a step)
+            # and then one token per decode step
+            assert forwarded == (53 + len(done) - 64) + (params.max_tokens - len(done) - 1)
+            assert spare.decode.shadow_stats().num_resumed_blocks == 4  # type: ignore[union-attr]
+        finally:
+            first.close()
+            spare.close()
+
+    asyncio.run(main())
+
+
+def test_finished_request_drops_its_shadows(tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompt = random_tokens(40, seed=12)
+    req = GenerationRequest("f", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                            shadow_salt="feed")
+
+    async def main() -> None:
+        pool, _ = make_pool(tmp_path)
+        cluster = await LocalCluster.start(_cfg(tiny_model_dir, "float32"), pool=pool, decode_pool=True)
+        try:
+            run = await cluster.run(req)
+            assert cluster.decode is not None and cluster.decode.pool is not None
+            assert await asyncio.to_thread(cluster.decode.pool.flush, 10.0)
+            stats = cluster.decode.shadow_stats()
+            assert stats is not None and stats.num_shadowed_blocks >= 3 and stats.num_removed_chains == 1
+            assert stats.num_tracked == 0 and stats.num_shadow_blocks == 0
+            full = replace(req, output_token_ids=tuple(run.token_ids[:-1]))
+            assert pool.match_prefix(resume_hashes(full, 16)) == 0
+        finally:
+            cluster.close()
+
+    asyncio.run(main())
+
+
+def _spoil(pool: PrefixCachePool, handles: dict, block_hash: int, how: str, other: bytes) -> None:  # type: ignore[type-arg]
+    store = handles[pool.owner(block_hash)].store
+    payload = store.get([block_hash])[0]
+    assert payload is not None
+    bad = {
+        "corrupt": payload[:-7] + bytes([payload[-7] ^ 0x40]) + payload[-6:],
+        "truncated": payload[: len(payload) // 2],
+        "stale": other,  # another request's block (its own hash and epoch) under this key
+    }[how]
+    store.remove([block_hash])
+    store.put([(block_hash, bad)])
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "stale"])
+def test_a_bad_shadow_block_becomes_a_recompute(tiny_model_dir: Path, tmp_path: Path, how: str) -> None:
+    prompt = random_tokens(53, seed=13)
+    req = GenerationRequest("v", prompt, GREEDY_LONG, shadow_salt="5a1t")
+    other = GenerationRequest("w", random_tokens(53, seed=14), GREEDY_LONG, shadow_salt="0ther")
+
+    async def main() -> None:
+        pool, handles = make_pool(tmp_path)
+        cfg = _cfg(tiny_model_dir, "float32")
+        first = await LocalCluster.start(cfg, num_prefill=1, pool=pool, decode_pool=True)
+        spare = await LocalCluster.start(cfg, num_prefill=0, pool=pool, decode_pool=True)
+        try:
+            whole = streamed_ids((await first.run(replace(req, request_id="whole", shadow_salt=None))).events)
+            other_done = await _cut_run(first, other, CUT)
+            done = await _cut_run(first, req, CUT)
+            hashes = resume_hashes(replace(req, output_token_ids=tuple(done)), 16)
+            other_hashes = resume_hashes(replace(other, output_token_ids=tuple(other_done)), 16)
+            stale = handles[pool.owner(other_hashes[2])].store.get([other_hashes[2]])[0]
+            _spoil(pool, handles, hashes[2], how, stale)
+
+            rest, forwarded = await _resume(spare, req, done)
+            assert done + rest == whole  # float32: a recompute of the spoiled blocks gives the same tokens
+            assert spare.decode.shadow_stats().num_resumed_blocks == 2  # type: ignore[union-attr]
+            assert forwarded == (53 + len(done) - 32) + (GREEDY_LONG.max_tokens - len(done) - 1)
+        finally:
+            first.close()
+            spare.close()
+
+    asyncio.run(main())
+
+
+def test_no_pool_means_no_shadows(tiny_model_dir: Path) -> None:
+    async def main() -> None:
+        cluster = await LocalCluster.start(_cfg(tiny_model_dir, "float32"))
+        try:
+            assert cluster.decode is not None and cluster.decode.shadow_stats() is None
+            run = await cluster.run(GenerationRequest("n", random_tokens(30, seed=1), GREEDY_LONG, shadow_salt="x"))
+            assert len(run.token_ids) == GREEDY_LONG.max_tokens
+        finally:
+            cluster.close()
+
+    asyncio.run(main())
+
