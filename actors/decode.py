@@ -81,8 +81,7 @@ class DecodeWorker(ReportsTelemetry):
         prompt = list(req.prompt_token_ids)
         engine: Engine = self.engine.engine
         block_ids = self.engine.locked(
-            engine.reserve, req.request_id, prompt, [], req.params, seed=req.seed, num_kv_tokens=len(prompt) - 1,
-            extra_keys=req.cache_salt, num_shared_prefix_tokens=req.num_shared_prefix_tokens)
+            engine.reserve, req.request_id, prompt, req.params, req.engine_options(), num_kv_tokens=len(prompt) - 1)
         if block_ids is None:
             return False
         if self.shadows is not None:

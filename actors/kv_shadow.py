@@ -111,8 +111,9 @@ class KVShadows:
             live = sum(t.num_shadowed for t in self._tracked.values())
             for request_id, t in list(self._tracked.items()):
                 req = engine.requests.get(request_id)
-                if req is None:  # aborted: its shadows stay for a resume (the pool's LRU bounds them)
-                    del self._tracked[request_id]
+                if req is None:
+                    if not engine.is_reserved(request_id):  # aborted: its shadows stay for a resume
+                        del self._tracked[request_id]
                     continue
                 full = req.num_computed_tokens // bs
                 if full <= t.num_shadowed:

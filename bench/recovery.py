@@ -10,14 +10,18 @@ soon as every stream has `--kill-after` tokens.
 - `1P+1D no-replace`: the same deployment without replacement (ferry before it): nowhere to resume.
 - `1P+2D replace`: a second decode worker survives and takes the streams over at once; the dead one
   is replaced in the background.
+Each scenario runs with both `--kv-recovery` modes (default): `shadow`, the streams' KV blocks are
+copied to the prefix-cache pool as they fill and the resume imports them (only the last partial
+block is computed again, one token a step), and `recompute`, the resume recomputes prompt + streamed
+tokens. Both deployments have the same one-store pool.
 Per scenario: streams that finished, each finished stream's stall (its longest gap between two
 tokens, which spans the failure) against the failure-free run's, the time from the kill to the
-replacement answering, and the streams whose tokens equal the failure-free run's (in bfloat16 the
-recomputed prefix rounds differently from the decode steps that made it, so a greedy stream may
-take another path after the resume point; `--dtype float32` shows the exact case).
+replacement answering, the streams whose tokens equal the failure-free run's (with `recompute`, in
+bfloat16 the recomputed prefix rounds differently from the decode steps that made it, so a greedy
+stream may take another path after the resume point), and the shadow blocks the resumes imported.
 
     .venv/bin/python bench/recovery.py [--streams 6] [--max-tokens 96] [--kill-after 24] [--dtype bfloat16]
-        [--model smollm2] [--scenarios all] [--json]
+        [--model smollm2] [--scenarios all] [--kv-recovery shadow,recompute] [--json]
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from actors.engine.fetch import resolve_model
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest
+from actors.prefix_cache.store import PrefixCacheConfig
+from actors.worker_config import MIB
 from actors.worker_config import WorkerConfig
 from bench.common import format_table, progress, run_on_local_ray
 from bench.pd import QUESTIONS, chat
@@ -59,6 +65,7 @@ from cluster.router.ray_handles import router_for
 MODEL = "smollm2"
 CLIENT = RouterConfig(call_timeout_s=60, prefill_timeout_s=120, token_timeout_s=120, load_ttl_s=0.1)
 SCENARIOS = (("1P+1D replace", 1, True), ("1P+1D no-replace", 1, False), ("1P+2D replace", 2, True))
+KV_RECOVERY = ("shadow", "recompute")
 
 
 @dataclasses.dataclass
@@ -66,6 +73,7 @@ class Run:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     arrivals: list[float] = dataclasses.field(default_factory=list)  # perf_counter at the caller, per token
     error: str | None = None
+    at_kill: int | None = None  # tokens it had received when the kill came
 
     @property
     def longest_gap_s(self) -> float:
@@ -73,9 +81,10 @@ class Run:
 
 
 @contextmanager
-def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterator[Router]:
-    """1 prefill + `num_decode` decode actors (1 torch thread each), the scheduler actor configured
-    as `ferry serve`'s default (its default tenant's loose SLO), and a client placing through it."""
+def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool, shadow: bool) -> Iterator[Router]:
+    """1 prefill + `num_decode` decode actors (1 torch thread each), one prefix-cache store, the
+    scheduler actor configured as `ferry serve`'s default (its default tenant's loose SLO), and a
+    client placing through it, its requests shadowing their KV or not."""
     from actors.ray_actors import start_pd
     from cluster.actor import start_scheduler
     from cluster.router.link import SchedulerLink
@@ -83,12 +92,13 @@ def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterat
     from deploy.scheduler_config import SchedulerSection
 
     tag = uuid.uuid4().hex[:6]
-    pd = start_pd(cfg, num_prefill=1, num_decode=num_decode, torch_threads=1, name_prefix=f"rb-{tag}")
+    pd = start_pd(cfg, num_prefill=1, num_decode=num_decode, torch_threads=1, name_prefix=f"rb-{tag}",
+                  cache=PrefixCacheConfig(dram_bytes=512 * MIB, enable_disk=False), num_cache=1)
     sched_cfg = SchedulerSection().to_scheduler_config()
     scheduler = start_scheduler(sched_cfg, name=f"rb-scheduler-{tag}")
     link = SchedulerLink(scheduler, LinkConfig(report_interval_s=0.1), sched_cfg)
     try:
-        yield router_for(pd, CLIENT, control=link, recovery=RecoveryConfig(), replace_dead=replace_dead)
+        yield router_for(pd, dataclasses.replace(CLIENT, shadow_kv=shadow), control=link, recovery=RecoveryConfig(), replace_dead=replace_dead)
     finally:
         link.close()
         pd.shutdown()
@@ -125,6 +135,8 @@ async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after:
             victim = max(sorted(held), key=lambda n: held[n])
             ray.kill(client.decodes[victim].actor, no_restart=True)  # type: ignore[attr-defined]
             killed_at = time.monotonic()  # the clock of `Replacements.replaced_at`
+            for run in runs.values():
+                run.at_kill = len(run.token_ids)
             progress(f"  killed {victim} holding {held[victim]} of {len(reqs)} streams")
         await asyncio.sleep(0.005)
     await tasks
@@ -139,12 +151,13 @@ async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after:
 
 
 async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode: int, replace_dead: bool,
-                   kill_after: int) -> dict[str, Any]:
-    with deployment(cfg, num_decode, replace_dead) as client:
+                   kill_after: int, shadow: bool) -> dict[str, Any]:
+    with deployment(cfg, num_decode, replace_dead, shadow) as client:
         await run_streams(client, reqs[:1], None)  # warm-up: model paths and the system prompt's blocks
         ref = (await run_streams(client, [dataclasses.replace(r, request_id=f"{r.request_id}-ref") for r in reqs],
                                  None))["runs"]
         failed = await run_streams(client, reqs, kill_after)
+        resumed = await _resumed_blocks(client)
     runs: dict[str, Run] = failed["runs"]
     ok = [rid for rid, r in runs.items() if r.error is None]
     normal = [r.longest_gap_s for r in ref.values()]
@@ -156,7 +169,36 @@ async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode:
         "normal_longest_gap_s_max": max(normal),
         "replace_s": failed["replace_s"],
         "same_tokens_as_failure_free": sum(runs[rid].token_ids == ref[f"{rid}-ref"].token_ids for rid in ok),
+        # Streams that already differed before the kill (bf16 prefill batching and prefix reuse can
+        # change a first token) say nothing about the resume; the others should all stay the same.
+        "same_before_kill": len(same_before := [rid for rid in ok if _same_until(runs[rid], ref[f"{rid}-ref"])]),
+        "same_after_resume": sum(runs[rid].token_ids == ref[f"{rid}-ref"].token_ids for rid in same_before),
+        "first_difference": sorted(_first_difference(runs[rid], ref[f"{rid}-ref"]) for rid in ok
+                                   if runs[rid].token_ids != ref[f"{rid}-ref"].token_ids),
+        "resumed_from_kv": resumed[0], "resumed_blocks": resumed[1],
     }
+
+
+def _same_until(run: Run, ref: Run) -> bool:
+    n = run.at_kill or 0
+    return run.token_ids[:n] == ref.token_ids[:n]
+
+
+def _first_difference(run: Run, ref: Run) -> int:
+    return next((i for i, (a, b) in enumerate(zip(run.token_ids, ref.token_ids)) if a != b),
+                min(len(run.token_ids), len(ref.token_ids)))
+
+
+async def _resumed_blocks(client: Router) -> tuple[int, int]:
+    """(resumes that imported shadow blocks, blocks imported) over the live decode workers."""
+    stats = []
+    for handle in client.decodes.values():
+        try:
+            stats.append(await handle.actor.shadow_stats.remote())  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the killed worker (or one still starting)
+            continue
+    live = [s for s in stats if s is not None]
+    return sum(s.num_resumed for s in live), sum(s.num_resumed_blocks for s in live)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,22 +214,27 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     for name, num_decode, replace_dead in SCENARIOS:
         if name not in args.scenarios:
             continue
-        progress(f"{name}: starting 1 prefill + {num_decode} decode actors and the scheduler")
-        out["scenarios"][name] = await scenario(cfg, reqs, num_decode, replace_dead, args.kill_after)
+        for mode in args.kv_recovery:
+            progress(f"{name}, {mode}: starting 1 prefill + {num_decode} decode actors, a cache store and the scheduler")
+            out["scenarios"][f"{name} {mode}"] = await scenario(cfg, reqs, num_decode, replace_dead, args.kill_after,
+                                                                mode == "shadow")
     return out
 
 
 def render(f: dict[str, Any]) -> str:
     c = f["config"]
     rows = [[name, f"{s['finished']}/{s['streams']}", s["stall_s_p50"], s["stall_s_max"], s["normal_longest_gap_s_max"],
-             s["replace_s"], f"{s['same_tokens_as_failure_free']}/{s['finished']}" if s["finished"] else "-"]
+             s["replace_s"], f"{s['same_tokens_as_failure_free']}/{s['finished']}" if s["finished"] else "-",
+             f"{s['same_after_resume']}/{s['same_before_kill']}",
+             f"{s['resumed_from_kv']} ({s['resumed_blocks']} blocks)"]
             for name, s in f["scenarios"].items()]
     table = format_table(["scenario", "finished", "stall p50 s", "stall max s", "gap w/o failure s",
-                          "replaced after s", "same tokens"], rows,
+                          "replaced after s", "same tokens", "same after resume", "resumed from KV"], rows,
                          title=f"Decode worker killed after {c['kill_after']} of {c['max_tokens']} tokens, "
                                f"{c['streams']} streams, {c['dtype']}")
     errors = [f"  {name}: {e}" for name, s in f["scenarios"].items() for e in s["errors"]]
-    foot = (f"stall = a finished stream's longest gap between two tokens (spans the failure); prompts "
+    foot = (f"stall = a finished stream's longest gap between two tokens (spans the failure); same after resume = "
+            f"streams equal to the failure-free run's, of those equal up to the kill; prompts "
             f"{min(c['prompt_tokens'])}-{max(c['prompt_tokens'])} tokens; wall {f['wall_s']:.0f} s")
     return "\n".join([table, "", foot] + (["errors of the failed streams:"] + errors if errors else []))
 
@@ -201,8 +248,13 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL, help="known name, .gguf file or HF folder")
     parser.add_argument("--scenarios", default="all",
                         help=f"comma-separated, of: {', '.join(n for n, _, _ in SCENARIOS)} (default all)")
+    parser.add_argument("--kv-recovery", default="shadow,recompute",
+                        help="comma-separated, of: shadow, recompute (default both, each scenario once per mode)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args()
+    args.kv_recovery = [m.strip() for m in args.kv_recovery.split(",")]
+    if bad := [m for m in args.kv_recovery if m not in KV_RECOVERY]:
+        parser.error(f"unknown --kv-recovery mode(s) {bad}; known: {list(KV_RECOVERY)}")
     if args.streams < 1 or not 1 <= args.kill_after < args.max_tokens:
         parser.error("--streams must be >= 1 and --kill-after between 1 and --max-tokens - 1")
     known = [n for n, _, _ in SCENARIOS]

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -37,6 +38,7 @@ from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, 
 from cluster.actor import start_scheduler
 from cluster.descriptors import SloClass
 from cluster.router.client import Router
+from cluster.router.config import RouterConfig
 from cluster.router.link import SchedulerLink, slo_class_override
 from cluster.router.ray_handles import router_for
 from deploy.cluster_backend import ClusterBackend
@@ -109,14 +111,14 @@ class FerryIngress:
         elif cfg.mode == "colocated":
             self._deployment = start_colocated(worker_cfg, num_workers=cfg.num_decode, torch_threads=threads,
                                                resources=resources)
-            router = router_for(self._deployment, cfg.to_router_config(), replace_dead=cfg.replace_dead_workers)
+            router = router_for(self._deployment, self._router_config(), replace_dead=cfg.replace_dead_workers)
         else:
             self._deployment = start_pd(
                 worker_cfg, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                 cache=cfg.to_cache_config(), num_cache=cfg.prefix_cache.num_stores, torch_threads=threads,
                 name_prefix="ferry", resources=resources,
             )
-            router = router_for(self._deployment, cfg.to_router_config(), control=self._link,
+            router = router_for(self._deployment, self._router_config(), control=self._link,
                                 replace_dead=cfg.replace_dead_workers)
         max_len = cfg.engine.max_model_len or _context_of(path)
         self.backend = ClusterBackend(router, self.tokenizer, _model_name(cfg.model), max_len)
@@ -124,6 +126,9 @@ class FerryIngress:
         self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic)
         logger.info("ferry ingress up: %s mode, model %s, workers on %s (%s each)", cfg.mode, cfg.model,
                     resources.device, resources.actor_options())
+
+    def _router_config(self) -> RouterConfig:
+        return replace(self.cfg.to_router_config(), **self.scheduler_cfg.kv_shadowing())  # type: ignore[arg-type]
 
     def _serve_workers(self, workers: dict[str, Any]) -> Router:
         """The router over the worker deployments' replicas (found on the first poll), after
@@ -134,7 +139,7 @@ class FerryIngress:
             self._stores = [s.actor for s in stores.values()]
         found = ServeWorkers(workers["decode"], workers.get("prefill"))
         replacer = ServeReplacer(found, self._wanted_replicas) if self.cfg.replace_dead_workers else None
-        router = Router({}, {}, self.cfg.to_router_config(), control=self._link, replacer=replacer)
+        router = Router({}, {}, self._router_config(), control=self._link, replacer=replacer)
         self._worker_handles = workers
         found.router = router
         router.board.discover_interval_s = DISCOVER_INTERVAL_S

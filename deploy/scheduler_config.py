@@ -38,6 +38,11 @@ class TenantSection(ConfigSection):
         "shed", description="a request predicted to miss its SLO (by slo_refuse_factor): shed, refused at once "
                             "with 429 slo_unattainable, its predicted wait and a Retry-After; queue, admitted "
                             "and served late, ordered by slack (queue_timeout_s still bounds its wait)")
+    kv_recovery: Literal["shadow", "recompute"] = Field(
+        "shadow", description="shadow: running requests copy their KV blocks to the prefix-cache pool as they fill, "
+                              "so a recovery or preemption resumes from them (identical output, only the last "
+                              "partial block recomputed); recompute: nothing is copied, a resume recomputes the "
+                              "prefix (may take another path in bf16)")
 
     def to_tenant_config(self, name: str) -> TenantConfig:
         slo = (InteractiveSlo(self.ttft_ms, self.tpot_ms) if self.slo_class == "interactive"
@@ -111,6 +116,13 @@ class SchedulerSection(ConfigSection):
         and the default tenant's for everyone else (as the scheduler applies them)."""
         default = None if self.default_tenant is None else self.default_tenant.to_tenant_config("default").slo
         return StaticSlos({name: t.to_tenant_config(name).slo for name, t in self.tenants.items()}, default)
+
+    def kv_shadowing(self) -> dict[str, object]:
+        """The router's `shadow_kv` (the default tenant's choice) and `shadow_exceptions` (listed
+        tenants that chose otherwise)."""
+        default = self.default_tenant is None or self.default_tenant.kv_recovery == "shadow"
+        others = frozenset(n for n, t in self.tenants.items() if (t.kv_recovery == "shadow") != default)
+        return {"shadow_kv": default, "shadow_exceptions": others}
 
     def to_link_config(self, block_size: int) -> LinkConfig:
         return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,

@@ -152,23 +152,12 @@ class Engine:
         return req
 
     # ------------------------------------------------------- KV handed over from another engine
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        seed: int,
-        num_kv_tokens: int,
-        extra_keys: tuple[object, ...] = (),
-        num_shared_prefix_tokens: int = 0,
-    ) -> list[int] | None:
-        """Decode side of disaggregation, step 1: validates the request and allocates blocks for
-        the `num_kv_tokens` tokens whose KV another engine computed. Returns the block ids to write
-        (`runner.write_blocks`), or None when the pool or the batch has no room now."""
-        options = RequestOptions(extra_keys=extra_keys, num_shared_prefix_tokens=num_shared_prefix_tokens,
-                                 output_token_ids=tuple(output_token_ids), seed=seed)
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, options: RequestOptions,
+                *, num_kv_tokens: int) -> list[int] | None:
+        """Decode side of disaggregation, step 1: validates the request (prompt + `options`'
+        output tokens) and allocates blocks for the `num_kv_tokens` tokens whose KV another engine
+        computed. Returns the block ids to write (`runner.write_blocks`), or None when the pool or
+        the batch has no room now."""
         req = self._new_request(request_id, prompt_token_ids, params, options)
         assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
         if len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs:
@@ -176,6 +165,7 @@ class Engine:
         if not self.kv.allocate_slots(req, num_kv_tokens):
             return None
         req.num_computed_tokens = num_kv_tokens
+        req.priority_rank = options.priority_rank
         self._reserved[request_id] = req
         return self.kv.block_ids(request_id)
 
@@ -190,28 +180,24 @@ class Engine:
 
     def resume_from_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv: torch.Tensor, options: RequestOptions) -> bool:
-        """Resumes a request (prompt + `options.output_token_ids`) from KV saved by the engine that
-        ran it before: `kv` [num_layers, 2, n, block_size, Hkv, D] holds its first n full blocks.
-        They are written into fresh blocks and the request joins the running batch; the tail is
-        computed here, its output positions one token a step as the interrupted decode steps did,
-        so the continuation has the same bits. False (nothing changed) when there is no room now."""
-        bs = self.cfg.block_size
+        """Resumes a request (prompt + `options.output_token_ids`) from the KV of its first n full
+        blocks, saved by the engine that ran it before (`kv` [num_layers, 2, n, block_size, Hkv, D]).
+        The tail is computed here, its output positions one token a step as the interrupted decode
+        steps did, so the continuation has the same bits. False (nothing changed): no room now."""
         num_tokens = len(prompt_token_ids) + len(options.output_token_ids)
-        n = min(kv.shape[2], (num_tokens - 1) // bs)  # the last token is always computed here
+        n = min(kv.shape[2], (num_tokens - 1) // self.cfg.block_size)  # the last token is computed here
         if n < 1:
             raise ValueError(f"{request_id}: no full block of saved KV to resume from")
-        block_ids = self.reserve(
-            request_id, prompt_token_ids, options.output_token_ids, params, seed=options.seed if options.seed is not None
-            else (params.seed if params.seed is not None else self._rng.getrandbits(63)),
-            num_kv_tokens=n * bs, extra_keys=options.extra_keys,
-            num_shared_prefix_tokens=options.num_shared_prefix_tokens)
+        block_ids = self.reserve(request_id, prompt_token_ids, params, options, num_kv_tokens=n * self.cfg.block_size)
         if block_ids is None:
             return False
         self.runner.write_blocks(block_ids, kv[:, :, :n])
-        req = self.commit(request_id)
-        req.stepwise_from = req.num_prompt_tokens - 1
-        req.priority_rank = options.priority_rank
+        self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
         return True
+
+    def is_reserved(self, request_id: str) -> bool:
+        """Whether blocks wait for the request's KV (reserved, not yet committed)."""
+        return request_id in self._reserved
 
     def cancel_reservation(self, request_id: str) -> bool:
         """KV that never arrived: frees the reserved blocks."""

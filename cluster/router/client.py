@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import secrets
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -170,6 +171,8 @@ class Router:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if req.request_id in self.flights:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if req.shadow_salt is None and self.cfg.shadows(req.tenant):
+            req = replace(req, shadow_salt=secrets.token_hex(16))  # the key to its KV shadows, every attempt
         flight = self.flights[req.request_id] = InFlight(req)
         finished = False
         try:

@@ -14,6 +14,14 @@ class RouterConfig:
     token_timeout_s: float = 60.0  # between two streamed events (the first waits for the prefill too)
     load_ttl_s: float = 0.2  # how long polled worker loads are trusted
     room_wait_s: float = 30.0  # a new request that finds every decode row taken queues this long (0: refuse at once)
+    # Requests shadow their KV to the prefix-cache pool (actors/kv_shadow.py), so a recovery or a
+    # preemption resumes from it; the tenants in `shadow_exceptions` choose the other way.
+    shadow_kv: bool = True
+    shadow_exceptions: frozenset[str] = frozenset()
+
+    def shadows(self, tenant: str) -> bool:
+        """Whether `tenant`'s requests shadow their KV."""
+        return self.shadow_kv != (tenant in self.shadow_exceptions)
 
     def __post_init__(self) -> None:
         if min(self.call_timeout_s, self.prefill_timeout_s, self.token_timeout_s) <= 0 or self.load_ttl_s < 0:

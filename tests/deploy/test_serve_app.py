@@ -56,6 +56,20 @@ def test_dashboard_slos_are_the_schedulers_contracts() -> None:
     assert closed.slo("walk-in") is None  # refused by the scheduler; no promise to measure
 
 
+def test_tenants_choose_kv_shadows_or_recompute() -> None:
+    from cluster.router.config import RouterConfig
+    from deploy.scheduler_config import SchedulerSection
+
+    section = SchedulerSection.model_validate({"tenants": {"nightly": {"slo_class": "batch", "kv_recovery": "recompute"},
+                                                           "acme": {}}})
+    router = RouterConfig(**section.kv_shadowing())  # type: ignore[arg-type]
+    assert router.shadows("acme") and router.shadows("walk-in") and not router.shadows("nightly")
+    flipped = SchedulerSection.model_validate({"default_tenant": {"kv_recovery": "recompute"},
+                                               "tenants": {"acme": {"kv_recovery": "shadow"}}})
+    router = RouterConfig(**flipped.kv_shadowing())  # type: ignore[arg-type]
+    assert router.shadows("acme") and not router.shadows("walk-in")
+
+
 @pytest.fixture(scope="module")
 def semantic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("semantic-cache")

@@ -37,7 +37,7 @@ def test_prefill_engine_hands_kv_to_decode_engine(tiny_llama_dir):
         block_ids, num_kv = prefill.held_kv(rid)
         assert num_kv == len(p)
         kv = prefill.runner.read_blocks(block_ids)
-        dst = decode.reserve(rid, p, firsts[rid], params, seed=5, num_kv_tokens=num_kv)
+        dst = decode.reserve(rid, p, params, RequestOptions(output_token_ids=tuple(firsts[rid]), seed=5), num_kv_tokens=num_kv)
         # shard by layer groups, as the transfer codec does
         decode.runner.write_blocks(dst, kv[:1], range(0, 1))
         decode.runner.write_blocks(dst, kv[1:], range(1, kv.shape[0]))
@@ -53,10 +53,12 @@ def test_prefill_engine_hands_kv_to_decode_engine(tiny_llama_dir):
 
 def test_cancelled_reservation_frees_blocks(tiny_llama_dir):
     engine = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=16))
-    ids = engine.reserve("x", list(range(5, 40)), [7], SamplingParams(max_tokens=4), seed=1, num_kv_tokens=35)
+    ids = engine.reserve("x", list(range(5, 40)), SamplingParams(max_tokens=4), RequestOptions(output_token_ids=(7,), seed=1),
+                         num_kv_tokens=35)
     assert ids is not None and len(ids) == 3 and engine.kv.pool.num_free_blocks == 13
     # 14 blocks would fit an empty pool but not the 13 left: "no room now", nothing changed
-    assert engine.reserve("y", list(range(5, 215)), [7], SamplingParams(max_tokens=4), seed=1, num_kv_tokens=210) is None
+    assert engine.reserve("y", list(range(5, 215)), SamplingParams(max_tokens=4), RequestOptions(output_token_ids=(7,), seed=1),
+                          num_kv_tokens=210) is None
     assert engine.kv.pool.num_free_blocks == 13
     assert engine.abort("x") is None
     assert engine.kv.pool.num_free_blocks == 16
@@ -137,7 +139,7 @@ def test_prefill_only_then_decode_engine_samples_everything(tiny_llama_dir):
         block_ids, num_kv = prefill.held_kv(f"r{i}")
         assert num_kv == len(p)
         # the decode side recomputes the last prompt token to get its logits
-        dst = decode.reserve(f"r{i}", p, [], params, seed=3, num_kv_tokens=len(p) - 1)
+        dst = decode.reserve(f"r{i}", p, params, RequestOptions(seed=3), num_kv_tokens=len(p) - 1)
         decode.runner.write_blocks(dst, prefill.runner.read_blocks(block_ids)[:, :, : len(dst)])
         prefill.release_kv(f"r{i}")
         decode.commit(f"r{i}")
@@ -155,7 +157,7 @@ def test_abort_during_forward_is_deferred_to_the_end_of_the_step(tiny_llama_dir)
     held = engine.kv.block_ids("a")
     assert engine.abort("a") is None  # deferred: the forward pass is writing a's blocks
     # a reservation made meanwhile must not get a's blocks
-    got = engine.reserve("b", list(range(5, 70)), [], params, seed=1, num_kv_tokens=64)
+    got = engine.reserve("b", list(range(5, 70)), params, RequestOptions(seed=1), num_kv_tokens=64)
     assert got is None or not set(got) & set(held)
     outs = engine.finish_step(prepared, engine.runner.execute(prepared.chunks))
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort")]

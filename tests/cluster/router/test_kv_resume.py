@@ -1,0 +1,115 @@
+"""Recovery from KV shadows through the router (in-process workers sharing a prefix-cache pool, no
+Ray): a decode worker killed with 6 streams in flight, in bfloat16; every stream resumes on the
+other decode worker from its shadowed blocks and ends with exactly the tokens of the run without
+the kill. With shadowing off (a tenant that chose recompute) the same kill resumes by recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from actors.decode import DecodeWorker
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.sampling import SamplingParams
+from actors.handoff import kv_layout
+from actors.messages import GenerationRequest
+from actors.prefill import PrefillWorker
+from cluster.router.client import Router
+from cluster.router.config import RecoveryConfig, RouterConfig
+from cluster.router.handles import LocalWorkerHandle
+from tests.actors.workers.conftest import tiny_model_dir  # noqa: F401 - the fixture
+from tests.actors.workers.harness import random_tokens, streamed_ids, worker_config
+from tests.actors.workers.test_pool import make_pool
+from transfer.config import make_transport
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+LENGTHS = [37, 70, 53, 100, 21, 64]
+
+
+class PooledWorkers:
+    """1 prefill + 2 decode workers in this process over one prefix-cache pool, in bfloat16."""
+
+    def __init__(self, model: Path, tmp: Path) -> None:
+        cfg = worker_config(model, engine=EngineConfig(num_blocks=160, dtype="bfloat16"))
+        pool, _ = make_pool(tmp)
+        tag = uuid.uuid4().hex[:6]
+        self.decode_workers = []
+        for i in range(2):
+            engine = Engine.from_pretrained(model, cfg.engine)
+            self.decode_workers.append(DecodeWorker(cfg, AsyncEngine(engine), make_transport(f"d{i}-{tag}", cfg.transfer),
+                                                    kv_layout(engine), prefix_pool=pool))
+        engine = Engine.from_pretrained(model, cfg.engine)
+        self.prefill = PrefillWorker(cfg, AsyncEngine(engine), make_transport(f"p0-{tag}", cfg.transfer),
+                                     kv_layout(engine), pool)
+        self.decodes = {d.name: LocalWorkerHandle(d.name, d) for d in self.decode_workers}
+        self.prefills = {self.prefill.name: LocalWorkerHandle(self.prefill.name, self.prefill)}
+
+    async def router(self, shadow: bool) -> Router:
+        for d in self.decode_workers:
+            await self.prefill.add_peer(d.transport_metadata())
+        return Router(self.prefills, self.decodes, RouterConfig(call_timeout_s=30, prefill_timeout_s=60,
+                                                                token_timeout_s=30, load_ttl_s=0.0, shadow_kv=shadow),
+                      recovery=RecoveryConfig(gather_s=0.2, probe_timeout_s=2.0, retry_delay_s=0.0))
+
+    def close(self) -> None:
+        self.prefill.close()
+        for d in self.decode_workers:
+            d.close()
+
+
+async def _streams(router: Router, reqs: list[GenerationRequest], workers: PooledWorkers | None,
+                   kill_after: int | None) -> tuple[dict[str, list[int]], int]:
+    """Streams `reqs` at once; with `kill_after`, kills the decode worker of the first stream to
+    have that many tokens once all have. (tokens per stream, streams the victim held)"""
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    killed: list[str] = []
+    held: list[int] = []
+
+    async def consume(req: GenerationRequest) -> None:
+        async with contextlib.aclosing(router.generate(req)) as stream:
+            async for event in stream:
+                got[req.request_id] += event.output.new_token_ids
+                if kill_after is not None and not killed and all(len(g) >= kill_after for g in got.values()):
+                    victim = router.flights[req.request_id].decode
+                    assert victim is not None and workers is not None
+                    killed.append(victim)
+                    held.append(sum(f.decode == victim for f in router.flights.values()))
+                    workers.decodes[victim].kill()
+                    # as a SIGKILL: its engine stops too (no zombie finishing the streams)
+                    next(d for d in workers.decode_workers if d.name == victim).engine.shutdown()
+
+    await asyncio.gather(*(consume(r) for r in reqs))
+    assert kill_after is None or killed
+    return got, held[0] if held else 0
+
+
+@pytest.mark.parametrize("shadow", [True, False], ids=["shadow", "recompute"])
+def test_streams_of_a_killed_decode_worker_resume_from_their_kv(tiny_model_dir: Path, tmp_path: Path,
+                                                                shadow: bool) -> None:
+    reqs = [GenerationRequest(f"k{i}", random_tokens(n, seed=700 + i), PARAMS) for i, n in enumerate(LENGTHS)]
+
+    async def main() -> tuple[dict[str, list[int]], dict[str, list[int]], int, PooledWorkers]:
+        workers = PooledWorkers(tiny_model_dir, tmp_path)
+        try:
+            router = await workers.router(shadow)
+            want, _ = await _streams(router, [replace(r, request_id=f"{r.request_id}-ref") for r in reqs], None, None)
+            got, held = await _streams(router, reqs, workers, kill_after=12)
+            return want, got, held, workers
+        finally:
+            workers.close()
+
+    want, got, held, workers = asyncio.run(main())
+    resumed = sum(s.num_resumed for d in workers.decode_workers if (s := d.shadow_stats()) is not None)
+    assert held >= 1 and all(len(g) == PARAMS.max_tokens for g in got.values())
+    if shadow:
+        assert resumed == held
+        assert all(got[r.request_id] == want[f"{r.request_id}-ref"] for r in reqs)
+    else:
+        assert resumed == 0
