@@ -23,20 +23,18 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-import torch
-
-from actors.colocated import ColocatedWorker, read_load
+from actors.colocated import read_load
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.engine import Engine
 from actors.engine.output import RequestOutput
 from actors.errors import RequestAborted, UnknownRequest
-from actors.handoff import num_reusable_blocks, prompt_block_hashes
-from actors.kv_shadow import KVShadows, ShadowStats
+from actors.kv_shadow import ShadowStats
 from actors.kv_receiver import KVReceiver, ReceiverStats
 from actors.messages import GenerationRequest, TokenEvent, WorkerLoad
-from actors.pool_link import PoolLink, PoolLinkStats, import_prefix
+from actors.pool_link import PoolLink, PoolLinkStats
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
+from actors.whole_runs import WholeRuns
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout
 from transfer.transport import KVTransport
@@ -55,14 +53,11 @@ class DecodeWorker(ReportsTelemetry):
         self.layout = layout
         self.name = name or transport.name
         self.receiver = KVReceiver(async_engine, transport, layout, cfg.recv_poll_s)
-        self._local = ColocatedWorker(async_engine, self.name)
-        # A prompt it prefills itself (`generate`) first imports what the prefix-cache pool holds.
-        self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
-        # Requests with a shadow salt copy their KV blocks to the pool as they fill; a resume of
-        # one (recovery, preemption) starts from them (`kv_shadow.py`).
-        self.shadows = KVShadows(self.pool, layout.block_size, cfg.max_shadow_blocks) if self.pool else None
-        if self.shadows is not None:
-            async_engine.after_step.append(self.shadows.after_step)
+        # Requests it runs whole (1-token prompts, its own prefills, resumes), and the KV shadows
+        # of every request with a shadow salt (`whole_runs.py`, `kv_shadow.py`).
+        pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
+        self.runs = WholeRuns(async_engine, self.name, layout.block_size, pool, cfg.max_shadow_blocks)
+        self.pool, self.shadows = pool, self.runs.shadows
         # Streams opened by announce and not yet attached by generate_after_kv, with the time by
         # which a caller must attach (a caller that vanished must not leave its queue behind).
         self._streams: dict[str, tuple[_Queue, float]] = {}
@@ -110,37 +105,15 @@ class DecodeWorker(ReportsTelemetry):
                     None, self.receiver.cancel, request_id, RequestAborted(f"{request_id}: stream closed"))
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Runs a request entirely here: one with nothing to hand over (1-token prompt, resume), or
-        one the scheduler has this worker prefill itself, whose prompt first takes the blocks the
-        prefix-cache pool holds beyond this engine's own (`import_prefix`)."""
-        if self.shadows is not None and req.output_token_ids and req.shadow_salt is not None:
-            kv = await asyncio.to_thread(self.shadows.fetch, req)
-            if kv is not None:
-                async for event in self._resume(req, kv):
-                    yield event
-                return
-        if self.pool is not None and not req.output_token_ids and req.num_prompt_tokens >= 2:
-            hashes = prompt_block_hashes(req, self.layout.block_size)
-            reusable = hashes[: num_reusable_blocks(req.num_prompt_tokens, self.layout.block_size)]
-            await asyncio.to_thread(import_prefix, self.engine, self.pool, reusable)
-        if self.shadows is not None:
-            self.shadows.track(req.request_id, req)
-        async for event in self._local.generate(req):
+        """Runs a request entirely here (`WholeRuns`): one with nothing to hand over (1-token
+        prompt), one the scheduler has this worker prefill itself (the prefix-cache pool's blocks
+        of its prompt imported first), or a resume (from its KV shadows when the pool has them)."""
+        async for event in self.runs.generate(req):
             yield event
-
-    async def _resume(self, req: GenerationRequest, kv: torch.Tensor) -> AsyncIterator[TokenEvent]:
-        """Runs a resumed request from its verified shadow blocks; only the tail is computed."""
-        self.shadows.track(req.request_id, req, num_in_pool=kv.shape[2])  # type: ignore[union-attr]
-        outputs = self.engine.resume(req.request_id, list(req.prompt_token_ids), req.params, kv, req.engine_options())
-        try:
-            async for out in outputs:
-                yield TokenEvent.of(out, self.name)
-        finally:
-            await outputs.aclose()
 
     def shadow_stats(self) -> ShadowStats | None:
         """KV shadowing of this worker's requests (None without a pool)."""
-        return None if self.shadows is None else self.shadows.stats()
+        return self.runs.shadow_stats()
 
     def pool_stats(self) -> PoolLinkStats | None:
         """Blocks fetched from the pool for prompts prefilled here (None without a pool)."""

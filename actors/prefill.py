@@ -12,6 +12,9 @@ Mental model, one `prefill(req, decode_peer)`:
   4. in the background, the prompt's full blocks the pool lacks are offered to it.
 The answer is a `PrefillResult` with the counts and the time of each stage. Every blocking call
 (engine lock, pool, transport) runs on this worker's threads, never on the event loop.
+
+While a dead lone decode worker's replacement starts, the router may lend this worker its streams:
+`generate` then runs one whole here, resumed from its KV shadows (`whole_runs.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -34,10 +37,12 @@ from actors.handoff import (
     num_handoff_blocks, num_handoff_shards, num_reusable_blocks, prompt_block_hashes, transfer_tag,
     zero_stale_tail,
 )
-from actors.messages import GenerationRequest, PrefillResult, WorkerLoad
+from actors.kv_shadow import ShadowStats
+from actors.messages import GenerationRequest, PrefillResult, TokenEvent, WorkerLoad
 from actors.pool_link import PoolLink, PoolLinkStats, import_prefix
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
+from actors.whole_runs import WholeRuns
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout, encode
 from transfer.transport import KVTransport, SendStats, takes_device_shards
@@ -57,6 +62,9 @@ class PrefillWorker(ReportsTelemetry):
         # A shard must fit both our send staging and the receiver's (same config on both ends).
         self._staging_bytes = min(cfg.transfer.send_staging_bytes, cfg.transfer.recv_staging_bytes)
         self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
+        # Whole requests: only when the router lends this worker to a dead decode worker's streams
+        # until its replacement is up (they resume from their KV shadows, and keep shadowing).
+        self.runs = WholeRuns(async_engine, self.name, layout.block_size, self.pool, cfg.max_shadow_blocks)
         # Enough threads that a slow send or pool fetch does not hold up other requests' lookups.
         self._threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"prefill-{self.name}")
 
@@ -118,6 +126,17 @@ class PrefillWorker(ReportsTelemetry):
         # Under the engine lock: one wait for both calls.
         block_ids, _ = self._engine.held_kv(request_id)
         return self._engine.runner.read_blocks(block_ids[:num_blocks])
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Runs a request whole here, decode included (a dead decode worker's stream, lent)."""
+        async for event in self.runs.generate(req):
+            yield event
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.runs.local.abort(request_id)
+
+    def shadow_stats(self) -> ShadowStats | None:
+        return self.runs.shadow_stats()
 
     # ------------------------------------------------------------------------ wiring, stats
     async def add_peer(self, metadata: bytes) -> str:

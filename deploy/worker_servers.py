@@ -119,6 +119,13 @@ class PrefillServer(_WorkerServer):
     async def add_peer(self, metadata: bytes, **_: Any) -> str:
         return await self.worker.add_peer(metadata)
 
+    async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
+        async for event in self.worker.generate(req):  # lent a dead decode worker's stream
+            yield event
+
+    async def abort(self, request_id: str, **_: Any) -> bool:
+        return await self.worker.abort(request_id)
+
 
 class DecodeServer(_WorkerServer):
     kind = "decode"

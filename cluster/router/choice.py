@@ -106,3 +106,13 @@ def following(decided: Placement, own: PlacementChoice, healthy: set[str]) -> Pl
     return PlacementChoice(prefill, first + tuple(d for d in own.decodes if d != decode),
                            decided.local_chunk_tokens if prefill is None and first else None,
                            (decided.priority.class_rank, decided.priority.key_s))
+
+
+def lend_prefill(prefills: Sequence[WorkerLoad], decodes: Sequence[WorkerLoad]) -> PlacementChoice | None:
+    """Where a stream goes when no decode worker is healthy: the least busy healthy prefill
+    worker, which runs it whole (None: a decode worker is up, or no prefill worker is)."""
+    healthy = [w for w in prefills if w.healthy]
+    if not healthy or any(w.healthy for w in decodes):
+        return None
+    lent = min(healthy, key=lambda w: (w.num_running + w.num_waiting, w.name))
+    return PlacementChoice(prefill=None, decodes=(lent.name,))

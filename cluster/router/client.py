@@ -16,7 +16,8 @@ Recovery (`flight.py`, `rounds.py`): each request's streamed tokens are journale
 `InFlight`. When an attempt fails the way a dead worker fails, the suspects are probed, the dead
 ones leave placement (and are replaced when a `Replacer` is given: `replacement.py`), and the
 request waits for its turn in a recovery round, then resumes on healthy workers from the tokens
-already streamed. The consumer sees one uninterrupted stream.
+already streamed, and from its KV shadows (`shadow_salt`, drawn here) when the pool has them; with
+no decode worker up, on a prefill worker meanwhile (`_borrow`). The consumer sees one stream.
 
 Preemption (`preempt`, `resume`: the scheduler's orders, carried out by `preemption.py`) and
 waiting for a decode row (`room.py`) are the router's too.
@@ -36,7 +37,8 @@ from dataclasses import replace
 from actors.errors import NoCapacity, WorkerTimeout
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from cluster.placement import Placement
-from cluster.router.choice import LeastLoaded, LocalPolicy, NoWorkers, PlacementChoice, PlacementRefused
+from cluster.router.choice import (LeastLoaded, LocalPolicy, NoWorkers, PlacementChoice, PlacementRefused,
+                                   lend_prefill)
 from cluster.router.config import RecoveryConfig, RouterConfig
 from cluster.router.control import ControlPlane
 from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight, StreamBroken, is_worker_failure
@@ -106,6 +108,10 @@ class Router:
         """A worker that joined (a new Serve replica, already wired): placeable from the next poll."""
         (self.prefills if kind == "prefill" else self.decodes)[handle.name] = handle
         self.board.revive(handle.name)
+
+    def prefill_result(self, request_id: str) -> PrefillResult | None:
+        """How a recent request was prefilled (reuse, bytes, stage times)."""
+        return self._results.get(request_id)
 
     # ---- placement: one decision per attempt ---------------------------------------------------
 
@@ -226,7 +232,7 @@ class Router:
             control.on_placed(flight)
         self.board.in_flight[decode] += 1
         try:
-            worker = self.decodes[decode]
+            worker = self.board.handle(decode)  # a decode worker, or a prefill worker lent by `_borrow`
             if not handoff:
                 stream = worker.stream(req)
                 flight.mark_issued()
@@ -244,7 +250,9 @@ class Router:
                     worker.abort(rid)  # frees the reservation at once
                     stream.discard()
                     raise
-                self._remember(replace(result, request_id=flight.request_id))
+                self._results[flight.request_id] = replace(result, request_id=flight.request_id)
+                while len(self._results) > _RECENT:
+                    self._results.popitem(last=False)
                 flight.phase = DECODING
                 if control is not None:
                     control.on_stage(flight, "kv_transfer_done", time.time())
@@ -365,6 +373,9 @@ class Router:
             except (NoWorkers, PlacementRefused) as e:
                 if isinstance(e, PlacementRefused) and e.reason != NO_HEALTHY_WORKER:
                     raise
+                lent = await self._borrow(flight)
+                if lent is not None:
+                    return lent
                 reps = self.replacements
                 now = time.monotonic()
                 if reps is None or not (reps.replacing or now - reps.replaced_at < _SETTLE_S) or now >= deadline:
@@ -377,13 +388,12 @@ class Router:
                     await asyncio.sleep(min(0.25, deadline - now))
                 dead = frozenset()  # a retry: the dead workers' round has been planned
 
-    # ---- inspection ----------------------------------------------------------------------------
-
-    def _remember(self, result: PrefillResult) -> None:
-        self._results[result.request_id] = result
-        while len(self._results) > _RECENT:
-            self._results.popitem(last=False)
-
-    def prefill_result(self, request_id: str) -> PrefillResult | None:
-        """How a recent request was prefilled (reuse, bytes, stage times)."""
-        return self._results.get(request_id)
+    async def _borrow(self, flight: InFlight) -> PlacementChoice | None:
+        """With no decode worker up (a lone one died, its replacement starting), a request with KV
+        shadows resumes on a prefill worker meanwhile (`lend_prefill`); None: not allowed, or nowhere."""
+        if not (self.cfg.lend_prefill and flight.req.shadow_salt is not None):
+            return None
+        choice = lend_prefill(*self.board.split(await self.board.loads()))
+        if choice is not None:
+            logger.warning("%s: no decode worker is up; resuming on prefill worker %s", flight.request_id, choice.decodes[0])
+        return choice

@@ -63,8 +63,8 @@ class Preemptions:
         if flight.phase == PREEMPTED:
             return True
         decode = flight.decode
-        if flight.phase != DECODING or decode is None or not flight.issued.is_set():
-            return False
+        if flight.phase != DECODING or decode is None or decode not in self.decodes or not flight.issued.is_set():
+            return False  # (a stream lent to a prefill worker keeps its row too)
         worker_rid = flight.worker_request_id
         flight.preempt()
         self.num_preempted += 1

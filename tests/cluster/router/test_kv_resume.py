@@ -1,7 +1,8 @@
 """Recovery from KV shadows through the router (in-process workers sharing a prefix-cache pool, no
 Ray): a decode worker killed with 6 streams in flight, in bfloat16; every stream resumes on the
 other decode worker from its shadowed blocks and ends with exactly the tokens of the run without
-the kill. With shadowing off (a tenant that chose recompute) the same kill resumes by recompute."""
+the kill. With shadowing off (a tenant that chose recompute) the same kill resumes by recompute. A
+lone decode worker's streams resume on the prefill worker, lent until a decode worker is back."""
 
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ LENGTHS = [37, 70, 53, 100, 21, 64]
 
 
 class PooledWorkers:
-    """1 prefill + 2 decode workers in this process over one prefix-cache pool, in bfloat16."""
+    """1 prefill + `num_decode` decode workers in this process over one prefix-cache pool, in bfloat16."""
 
-    def __init__(self, model: Path, tmp: Path) -> None:
+    def __init__(self, model: Path, tmp: Path, num_decode: int = 2) -> None:
         cfg = worker_config(model, engine=EngineConfig(num_blocks=160, dtype="bfloat16"))
         pool, _ = make_pool(tmp)
         tag = uuid.uuid4().hex[:6]
         self.decode_workers = []
-        for i in range(2):
+        for i in range(num_decode):
             engine = Engine.from_pretrained(model, cfg.engine)
             self.decode_workers.append(DecodeWorker(cfg, AsyncEngine(engine), make_transport(f"d{i}-{tag}", cfg.transfer),
                                                     kv_layout(engine), prefix_pool=pool))
@@ -113,3 +114,22 @@ def test_streams_of_a_killed_decode_worker_resume_from_their_kv(tiny_model_dir: 
         assert all(got[r.request_id] == want[f"{r.request_id}-ref"] for r in reqs)
     else:
         assert resumed == 0
+
+def test_a_lone_decode_workers_streams_resume_on_the_prefill_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+    reqs = [GenerationRequest(f"l{i}", random_tokens(n, seed=800 + i), PARAMS) for i, n in enumerate(LENGTHS[:4])]
+
+    async def main() -> tuple[dict[str, list[int]], dict[str, list[int]], int, PooledWorkers]:
+        workers = PooledWorkers(tiny_model_dir, tmp_path, num_decode=1)
+        try:
+            router = await workers.router(shadow=True)
+            want, _ = await _streams(router, [replace(r, request_id=f"{r.request_id}-ref") for r in reqs], None, None)
+            got, held = await _streams(router, reqs, workers, kill_after=12)
+            return want, got, held, workers
+        finally:
+            workers.close()
+
+    want, got, held, workers = asyncio.run(main())
+    assert held == len(reqs)
+    lent = workers.prefill.shadow_stats()
+    assert lent is not None and lent.num_resumed == len(reqs)
+    assert all(got[r.request_id] == want[f"{r.request_id}-ref"] for r in reqs)
