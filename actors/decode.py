@@ -56,7 +56,7 @@ class DecodeWorker(ReportsTelemetry):
         # Requests it runs whole (1-token prompts, its own prefills, resumes), and the KV shadows
         # of every request with a shadow salt (`whole_runs.py`, `kv_shadow.py`).
         pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
-        self.runs = WholeRuns(async_engine, self.name, layout.block_size, pool, cfg.max_shadow_blocks)
+        self.runs = WholeRuns(async_engine, self.name, layout.block_size, pool, cfg.max_shadow_bytes, cfg.shadow_keep_s)
         self.pool, self.shadows = pool, self.runs.shadows
         # Streams opened by announce and not yet attached by generate_after_kv, with the time by
         # which a caller must attach (a caller that vanished must not leave its queue behind).
@@ -144,7 +144,7 @@ class DecodeWorker(ReportsTelemetry):
 
     # ------------------------------------------------------------------------ introspection
     async def load(self) -> WorkerLoad:
-        return read_load(self.engine, self.name, "decode", self.receiver.num_pending)
+        return read_load(self.engine, self.name, "decode", self.receiver.num_pending, self.runs.shadow_bytes)
 
     def receiver_stats(self) -> ReceiverStats:
         return self.receiver.stats()

@@ -8,7 +8,9 @@ under the engine lock, so a block read is the KV the step left and not one reuse
 blocks that filled are read out and queued for the pool on the worker's offer thread, exact
 (no compression) and tagged with the request's epoch. A refused offer (the thread is busy) is
 simply tried again after the next step: that is the bandwidth bound. When the request finishes
-(stop or length), its whole chain is removed from the pool, wherever earlier attempts put it.
+(stop or length), the chain it knows of (imported + shadowed here) is removed from the pool; an
+aborted one's (a preempted row, a stream whose client left) is kept `keep_s` for its resume, then
+removed unless it resumed here.
 
 Resuming (`fetch`): the chain of the resumed tokens is fetched up to the first block that is
 missing or fails verification (checksum, its own hash, this request's epoch): everything from
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,7 @@ from actors.pool_link import PoolLink
 logger = logging.getLogger(__name__)
 
 SHADOW_KEY = "kv-shadow"
+BLOCKS_PER_STEP = 16  # most blocks of one request read out per step
 _ENDED = ("stop", "length")  # a request that ended so will not be resumed; an abort may be (preemption)
 
 
@@ -68,26 +72,31 @@ class _Tracked:
 class ShadowStats:
     num_tracked: int  # requests being shadowed now
     num_shadow_blocks: int  # of theirs, in the pool (or queued for it)
+    shadow_bytes: int  # what those take in the pool (raw KV)
     num_shadowed_blocks: int  # ever queued
     num_shadowed_bytes: int  # their raw KV bytes
     num_deferred: int  # steps a request's new blocks waited for the offer thread
-    num_capped: int  # steps a request's new blocks waited for room under max_blocks
-    num_removed_chains: int  # chains dropped from the pool as their request ended
+    num_capped: int  # steps a request's new blocks waited for room under max_bytes
+    num_removed_chains: int  # chains dropped from the pool as their request ended (or was not resumed)
+    num_kept_chains: int  # of aborted requests, kept for a resume
     num_resumed: int  # resumes that imported shadow blocks
     num_resumed_blocks: int
 
 
 class KVShadows:
     """One decode worker's shadowing of its running requests (`track`, `after_step`) and its
-    lookups of shadows to resume from (`fetch`). `max_blocks` bounds the pool memory this
+    lookups of shadows to resume from (`fetch`). `max_bytes` bounds the pool memory this
     worker's live shadows take: beyond it, new blocks wait (and a recovery recomputes them)."""
 
-    def __init__(self, link: PoolLink, block_size: int, max_blocks: int = 4096) -> None:
+    def __init__(self, link: PoolLink, block_size: int, max_bytes: int = 512 << 20, keep_s: float = 600.0) -> None:
         self.link = link
         self.block_size = block_size
-        self.max_blocks = max_blocks
+        self.max_bytes = max_bytes
+        self.keep_s = keep_s
+        self._kept: dict[int, tuple[float, list[BlockHash]]] = {}  # aborted: epoch -> (drop at, chain)
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}  # by engine request id
+        self._block_bytes = 0  # raw KV of one block, learned from the first read
         self._n = dict.fromkeys(("shadowed", "bytes", "deferred", "capped", "removed", "resumed", "resumed_blocks"), 0)
 
     def track(self, request_id: str, req: GenerationRequest, num_in_pool: int = 0) -> None:
@@ -97,16 +106,24 @@ class KVShadows:
             return
         hashes = resume_hashes(req, self.block_size)[:num_in_pool]
         with self._lock:
+            self._kept.pop(shadow_epoch(req), None)  # resumed here: its chain is tracked again
             self._tracked[request_id] = _Tracked(shadow_keys(req), shadow_epoch(req), hashes, len(hashes))
 
     def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         """Queues the blocks that filled in the step that just ended. Engine lock held."""
         bs = self.block_size
+        now = time.monotonic()
         with self._lock:
+            for epoch in [e for e, (at, _) in self._kept.items() if at <= now]:
+                if self.link.remove(self._kept[epoch][1]):
+                    del self._kept[epoch]
+                    self._n["removed"] += 1
             for out in outputs:
                 if out.finished and out.request_id in self._tracked:
                     t = self._tracked.pop(out.request_id)
-                    if out.finish_reason in _ENDED and self.link.remove(t.hashes[: t.num_shadowed]):
+                    if out.finish_reason not in _ENDED:  # aborted during the step
+                        self._kept[t.epoch] = (now + self.keep_s, t.hashes[: t.num_shadowed])
+                    elif self.link.remove(t.hashes[: t.num_shadowed]):
                         self._n["removed"] += 1
             live = sum(t.num_shadowed for t in self._tracked.values())
             for request_id, t in list(self._tracked.items()):
@@ -114,11 +131,13 @@ class KVShadows:
                 if req is None:
                     if not engine.is_reserved(request_id):  # aborted: its shadows stay for a resume
                         del self._tracked[request_id]
+                        self._kept[t.epoch] = (now + self.keep_s, t.hashes[: t.num_shadowed])
                     continue
-                full = req.num_computed_tokens // bs
+                # A long prompt's blocks go over several steps: each read holds the engine lock.
+                full = min(req.num_computed_tokens // bs, t.num_shadowed + BLOCKS_PER_STEP)
                 if full <= t.num_shadowed:
                     continue
-                if live + full - t.num_shadowed > self.max_blocks:
+                if (live + full - t.num_shadowed) * self._block_bytes > self.max_bytes:
                     self._n["capped"] += 1
                     continue
                 self._extend(t, req.token_ids, full * bs)
@@ -129,6 +148,7 @@ class KVShadows:
                     continue
                 self._n["shadowed"] += full - t.num_shadowed
                 self._n["bytes"] += kv.numel() * kv.element_size()
+                self._block_bytes = kv.numel() * kv.element_size() // kv.shape[2]
                 live += full - t.num_shadowed
                 t.num_shadowed = full
 
@@ -154,8 +174,10 @@ class KVShadows:
     def stats(self) -> ShadowStats:
         with self._lock:
             n = self._n
+            live = sum(t.num_shadowed for t in self._tracked.values())
             return ShadowStats(
-                num_tracked=len(self._tracked), num_shadow_blocks=sum(t.num_shadowed for t in self._tracked.values()),
+                num_tracked=len(self._tracked), num_shadow_blocks=live, shadow_bytes=live * self._block_bytes,
                 num_shadowed_blocks=n["shadowed"], num_shadowed_bytes=n["bytes"], num_deferred=n["deferred"],
-                num_capped=n["capped"], num_removed_chains=n["removed"], num_resumed=n["resumed"],
+                num_capped=n["capped"], num_removed_chains=n["removed"], num_kept_chains=len(self._kept),
+                num_resumed=n["resumed"],
                 num_resumed_blocks=n["resumed_blocks"])

@@ -150,6 +150,7 @@ class WorkerLoad:
     healthy: bool
     rss_bytes: int = 0  # resident memory of the worker's process; 0 where unknown
     kv_plan: KVPlan | None = None  # how the engine's KV pool was sized (fixed at start); None where unknown
+    shadow_bytes: int = 0  # prefix-pool memory its running requests' KV shadows hold (kv_shadow.py)
 
     @property
     def rss_mib(self) -> int | None:

@@ -64,7 +64,7 @@ class PrefillWorker(ReportsTelemetry):
         self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
         # Whole requests: only when the router lends this worker to a dead decode worker's streams
         # until its replacement is up (they resume from their KV shadows, and keep shadowing).
-        self.runs = WholeRuns(async_engine, self.name, layout.block_size, self.pool, cfg.max_shadow_blocks)
+        self.runs = WholeRuns(async_engine, self.name, layout.block_size, self.pool, cfg.max_shadow_bytes, cfg.shadow_keep_s)
         # Enough threads that a slow send or pool fetch does not hold up other requests' lookups.
         self._threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"prefill-{self.name}")
 
@@ -151,7 +151,7 @@ class PrefillWorker(ReportsTelemetry):
         return None if self.pool is None else self.pool.stats()
 
     async def load(self) -> WorkerLoad:
-        return read_load(self.engine, self.name, "prefill")
+        return read_load(self.engine, self.name, "prefill", shadow_bytes=self.runs.shadow_bytes)
 
     def close(self) -> None:
         if self.pool is not None:

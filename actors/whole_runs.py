@@ -29,12 +29,12 @@ from actors.pool_link import PoolLink, import_prefix
 
 class WholeRuns:
     def __init__(self, async_engine: AsyncEngine, name: str, block_size: int, pool: PoolLink | None,
-                 max_shadow_blocks: int) -> None:
+                 max_shadow_bytes: int, shadow_keep_s: float) -> None:
         self.engine = async_engine
         self.block_size = block_size
         self.pool = pool
         self.local = ColocatedWorker(async_engine, name)
-        self.shadows = KVShadows(pool, block_size, max_shadow_blocks) if pool is not None else None
+        self.shadows = KVShadows(pool, block_size, max_shadow_bytes, shadow_keep_s) if pool is not None else None
         if self.shadows is not None:
             async_engine.after_step.append(self.shadows.after_step)
 
@@ -67,3 +67,8 @@ class WholeRuns:
 
     def shadow_stats(self) -> ShadowStats | None:
         return None if self.shadows is None else self.shadows.stats()
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Prefix-pool memory the KV shadows of the requests running here hold."""
+        return 0 if self.shadows is None else self.shadows.stats().shadow_bytes

@@ -38,7 +38,8 @@ class WorkerConfig:
     recv_poll_s: float = 0.05  # decode: receiver wake-up period (also the lease check period)
     pool_timeout_s: float = 2.0  # prefill: one pool fan-out; a slower store is a miss
     max_pending_offers: int = 64  # background pool offers (and KV shadows) beyond this wait or are dropped
-    max_shadow_blocks: int = 4096  # decode: pool blocks its running requests' KV shadows may hold
+    max_shadow_bytes: int = 512 * MIB  # decode: prefix-pool memory its running requests' KV shadows may hold
+    shadow_keep_s: float = 600.0  # decode: an aborted request's KV shadows wait this long for its resume
     stream_interval: int = 1  # decode: tokens per streamed delta after the first (1 = every token)
     # Deprecated twin of `transfer.ucx_net_devices` (the transport's own setting, "lo" by default),
     # kept while deploy/config.py still passes it; when set it is applied first and so wins.
@@ -51,6 +52,8 @@ class WorkerConfig:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.shadow_keep_s < 0 or self.max_shadow_bytes < 0:
+            raise ValueError("shadow_keep_s and max_shadow_bytes must be >= 0")
         for name in ("lease_s", "transfer_timeout_s", "recv_poll_s", "pool_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,10 +1,11 @@
 """A decode worker killed with streams in flight, on SmolLM2-135M: do the streams finish, and how long do they stall?
 
 Each scenario is a fresh deployment on one local Ray cluster, placed by the scheduler actor as
-`ferry serve` does: the same `--streams` greedy chat requests are first run once without a failure
-(the reference: tokens, and the longest gap between two tokens of a stream when nothing fails),
-then again with the decode worker that holds most of them killed (`ray.kill`, like a SIGKILL) as
-soon as every stream has `--kill-after` tokens.
+`ferry serve` does: the same `--streams` greedy chat requests are first run twice without a failure
+(the reference: tokens, and the longest gap between two tokens of a stream when nothing fails; the
+second run says how many streams two failure-free runs agree on), then again with the decode worker
+that holds most of them killed (`ray.kill`, like a SIGKILL) as soon as every stream has
+`--kill-after` tokens. Each run is its own tenant, so no run reuses another's cached prompt blocks.
 - `1P+1D replace`: the lone decode worker dies; a replacement of the same name starts and the
   streams resume there (what `ferry serve` runs: `replace_dead_workers` on).
 - `1P+1D no-replace`: the same deployment without replacement (ferry before it): nowhere to resume.
@@ -153,10 +154,14 @@ async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after:
 async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode: int, replace_dead: bool,
                    kill_after: int, shadow: bool) -> dict[str, Any]:
     with deployment(cfg, num_decode, replace_dead, shadow) as client:
-        await run_streams(client, reqs[:1], None)  # warm-up: model paths and the system prompt's blocks
-        ref = (await run_streams(client, [dataclasses.replace(r, request_id=f"{r.request_id}-ref") for r in reqs],
-                                 None))["runs"]
-        failed = await run_streams(client, reqs, kill_after)
+        await run_streams(client, _as(reqs[:1], "warm"), None)  # warm-up: the model's code paths
+        # Each run under its own tenant, so none reuses another's cached prompt blocks: all three
+        # compute their prompts the same way. Two failure-free runs give the noise floor: bf16
+        # prefill batching (which requests share a step) can change a later greedy token by itself.
+        ref = _renamed((await run_streams(client, _as(reqs, "ref"), None))["runs"], "ref")
+        again = _renamed((await run_streams(client, _as(reqs, "again"), None))["runs"], "again")
+        failed = await run_streams(client, _as(reqs, "run"), kill_after)
+        failed["runs"] = _renamed(failed["runs"], "run")
         resumed = await _resumed_blocks(client)
     runs: dict[str, Run] = failed["runs"]
     ok = [rid for rid, r in runs.items() if r.error is None]
@@ -169,6 +174,7 @@ async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode:
         "normal_longest_gap_s_max": max(normal),
         "replace_s": failed["replace_s"],
         "same_tokens_as_failure_free": sum(runs[rid].token_ids == ref[f"{rid}-ref"].token_ids for rid in ok),
+        "failure_free_runs_same": sum(again[f"{rid}-again"].token_ids == ref[f"{rid}-ref"].token_ids for rid in (r.request_id for r in reqs)),
         # Streams that already differed before the kill (bf16 prefill batching and prefix reuse can
         # change a first token) say nothing about the resume; the others should all stay the same.
         "same_before_kill": len(same_before := [rid for rid in ok if _same_until(runs[rid], ref[f"{rid}-ref"])]),
@@ -177,6 +183,17 @@ async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode:
                                    if runs[rid].token_ids != ref[f"{rid}-ref"].token_ids),
         "resumed_from_kv": resumed[0], "resumed_blocks": resumed[1],
     }
+
+
+def _as(reqs: list[GenerationRequest], run: str) -> list[GenerationRequest]:
+    """`reqs` as tenant `run` (its own cache salt), ids suffixed with it."""
+    return [dataclasses.replace(r, request_id=f"{r.request_id}-{run}", tenant=run, cache_salt=None) for r in reqs]
+
+
+def _renamed(runs: dict[str, Run], run: str) -> dict[str, Run]:
+    """Runs keyed by the original request id plus `-ref` / `-again`, or bare for the failure run."""
+    suffix = f"-{run}"
+    return {(rid[: -len(suffix)] + ("" if run == "run" else suffix)): r for rid, r in runs.items()}
 
 
 def _same_until(run: Run, ref: Run) -> bool:
@@ -190,9 +207,9 @@ def _first_difference(run: Run, ref: Run) -> int:
 
 
 async def _resumed_blocks(client: Router) -> tuple[int, int]:
-    """(resumes that imported shadow blocks, blocks imported) over the live decode workers."""
+    """(resumes that imported shadow blocks, blocks imported) over the live workers."""
     stats = []
-    for handle in client.decodes.values():
+    for handle in [*client.decodes.values(), *client.prefills.values()]:  # a prefill worker may be lent
         try:
             stats.append(await handle.actor.shadow_stats.remote())  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - the killed worker (or one still starting)
@@ -225,16 +242,18 @@ def render(f: dict[str, Any]) -> str:
     c = f["config"]
     rows = [[name, f"{s['finished']}/{s['streams']}", s["stall_s_p50"], s["stall_s_max"], s["normal_longest_gap_s_max"],
              s["replace_s"], f"{s['same_tokens_as_failure_free']}/{s['finished']}" if s["finished"] else "-",
-             f"{s['same_after_resume']}/{s['same_before_kill']}",
+             f"{s['same_after_resume']}/{s['same_before_kill']}", f"{s['failure_free_runs_same']}/{s['streams']}",
              f"{s['resumed_from_kv']} ({s['resumed_blocks']} blocks)"]
             for name, s in f["scenarios"].items()]
     table = format_table(["scenario", "finished", "stall p50 s", "stall max s", "gap w/o failure s",
-                          "replaced after s", "same tokens", "same after resume", "resumed from KV"], rows,
+                          "replaced after s", "same tokens", "same after resume", "2 runs w/o failure same",
+                          "resumed from KV"], rows,
                          title=f"Decode worker killed after {c['kill_after']} of {c['max_tokens']} tokens, "
                                f"{c['streams']} streams, {c['dtype']}")
     errors = [f"  {name}: {e}" for name, s in f["scenarios"].items() for e in s["errors"]]
     foot = (f"stall = a finished stream's longest gap between two tokens (spans the failure); same after resume = "
-            f"streams equal to the failure-free run's, of those equal up to the kill; prompts "
+            f"streams equal to the failure-free run's, of those equal up to the kill; 2 runs w/o failure same = "
+            f"streams equal between two failure-free runs (the bf16 noise floor of prefill batching); prompts "
             f"{min(c['prompt_tokens'])}-{max(c['prompt_tokens'])} tokens; wall {f['wall_s']:.0f} s")
     return "\n".join([table, "", foot] + (["errors of the failed streams:"] + errors if errors else []))
 

@@ -94,7 +94,8 @@ class ClusterBackend:
         loads = await self.client.loads()
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
                           "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks,
-                          "rss_mib": w.rss_mib, "kv_plan": w.kv_plan_report()}
+                          "rss_mib": w.rss_mib, "kv_shadow_mib": round(w.shadow_bytes / 2**20, 1),
+                          "kv_plan": w.kv_plan_report()}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         room = self.client.room  # requests waiting for a decode row now, and how many ever had to

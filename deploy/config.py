@@ -163,8 +163,14 @@ class AppConfig(ConfigSection):
                                     ucx_net_devices=t.ucx_net_devices),
             compression=t.compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
             lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
-            stream_interval=self.stream_interval,
+            stream_interval=self.stream_interval, max_shadow_bytes=self.shadow_budget_bytes(),
         )
+
+    def shadow_budget_bytes(self) -> int:
+        """Each decode worker's KV shadows may take its share of half the prefix pool (DRAM and
+        disk tiers), so shadows never crowd out more than half of the shared prefixes."""
+        c = self.prefix_cache
+        return max(1, c.num_stores * (c.dram_mib + c.disk_mib) * MIB // (2 * self.num_decode))
 
     def to_cache_config(self) -> PrefixCacheConfig | None:
         c = self.prefix_cache

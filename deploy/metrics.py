@@ -77,6 +77,8 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_worker_step_ms", _G, "Duration of the worker's last engine step (ms).", ("worker", "kind")),
     ("ferry_kv_blocks", _G, "KV cache blocks of a worker by state: used, free.", ("worker", "kind", "state")),
     ("ferry_worker_rss_bytes", _G, "Resident memory of the worker's process (bytes).", ("worker", "kind")),
+    ("ferry_kv_shadow_bytes", _G, "Prefix-pool memory the KV shadows of a worker's running requests hold (bytes).",
+     ("worker", "kind")),
     ("ferry_prefix_hbm_lookup_tokens", _C, "Prompt tokens looked up in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_hbm_hit_tokens", _C, "Prompt tokens found in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_pool_lookups", _C, "Pool block lookups by answering tier: dram, disk, miss.", ("tier",)),
@@ -231,6 +233,7 @@ class ClusterMetricsExporter:
             m["ferry_kv_blocks"].set(w.num_free_blocks, {**tags, "state": "free"})
             if w.rss_bytes:
                 m["ferry_worker_rss_bytes"].set(w.rss_bytes, tags)
+            m["ferry_kv_shadow_bytes"].set(w.shadow_bytes, tags)
         for name, e in snap.engines.items():
             self._add_total("ferry_prefix_hbm_lookup_tokens", e.num_prefix_queried_tokens, {"worker": name})
             self._add_total("ferry_prefix_hbm_hit_tokens", e.num_prefix_hit_tokens, {"worker": name})

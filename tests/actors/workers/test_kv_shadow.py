@@ -114,6 +114,30 @@ def test_finished_request_drops_its_shadows(tiny_model_dir: Path, tmp_path: Path
     asyncio.run(main())
 
 
+def test_an_aborted_requests_shadows_wait_keep_s_for_a_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    req = GenerationRequest("a", random_tokens(53, seed=15), GREEDY_LONG, shadow_salt="ab0rt")
+
+    async def main() -> None:
+        pool, _ = make_pool(tmp_path)
+        cfg = replace(_cfg(tiny_model_dir, "float32"), shadow_keep_s=0.0)
+        cluster = await LocalCluster.start(cfg, num_prefill=1, pool=pool, decode_pool=True)
+        try:
+            done = await _cut_run(cluster, req, CUT)
+            hashes = resume_hashes(replace(req, output_token_ids=tuple(done)), 16)
+            assert pool.match_prefix(hashes) == 4  # kept after the abort, for a resume
+            # the next step of any request drops a kept chain whose time has come
+            await cluster.run(GenerationRequest("b", random_tokens(20, seed=16), GREEDY_LONG))
+            assert cluster.decode is not None and cluster.decode.pool is not None
+            assert await asyncio.to_thread(cluster.decode.pool.flush, 10.0)
+            stats = cluster.decode.shadow_stats()
+            assert stats is not None and stats.num_kept_chains == 0 and stats.num_removed_chains == 1
+            assert pool.match_prefix(hashes) == 0
+        finally:
+            cluster.close()
+
+    asyncio.run(main())
+
+
 def _spoil(pool: PrefixCachePool, handles: dict, block_hash: int, how: str, other: bytes) -> None:  # type: ignore[type-arg]
     store = handles[pool.owner(block_hash)].store
     payload = store.get([block_hash])[0]

@@ -91,22 +91,25 @@ async def _streams(router: Router, reqs: list[GenerationRequest], workers: Poole
     return got, held[0] if held else 0
 
 
+async def _reference_then_kill(workers: PooledWorkers, reqs: list[GenerationRequest], shadow: bool) -> tuple[
+        dict[str, list[int]], dict[str, list[int]], int, PooledWorkers]:
+    """The streams once without a failure (ids suffixed -ref), then with their decode worker killed
+    after 12 tokens: (reference tokens, tokens, streams the victim held, the workers, closed)."""
+    try:
+        router = await workers.router(shadow)
+        want, _ = await _streams(router, [replace(r, request_id=f"{r.request_id}-ref") for r in reqs], None, None)
+        got, held = await _streams(router, reqs, workers, kill_after=12)
+        return want, got, held, workers
+    finally:
+        workers.close()
+
+
 @pytest.mark.parametrize("shadow", [True, False], ids=["shadow", "recompute"])
 def test_streams_of_a_killed_decode_worker_resume_from_their_kv(tiny_model_dir: Path, tmp_path: Path,
                                                                 shadow: bool) -> None:
     reqs = [GenerationRequest(f"k{i}", random_tokens(n, seed=700 + i), PARAMS) for i, n in enumerate(LENGTHS)]
 
-    async def main() -> tuple[dict[str, list[int]], dict[str, list[int]], int, PooledWorkers]:
-        workers = PooledWorkers(tiny_model_dir, tmp_path)
-        try:
-            router = await workers.router(shadow)
-            want, _ = await _streams(router, [replace(r, request_id=f"{r.request_id}-ref") for r in reqs], None, None)
-            got, held = await _streams(router, reqs, workers, kill_after=12)
-            return want, got, held, workers
-        finally:
-            workers.close()
-
-    want, got, held, workers = asyncio.run(main())
+    want, got, held, workers = asyncio.run(_reference_then_kill(PooledWorkers(tiny_model_dir, tmp_path), reqs, shadow))
     resumed = sum(s.num_resumed for d in workers.decode_workers if (s := d.shadow_stats()) is not None)
     assert held >= 1 and all(len(g) == PARAMS.max_tokens for g in got.values())
     if shadow:
@@ -115,21 +118,39 @@ def test_streams_of_a_killed_decode_worker_resume_from_their_kv(tiny_model_dir: 
     else:
         assert resumed == 0
 
+
 def test_a_lone_decode_workers_streams_resume_on_the_prefill_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
     reqs = [GenerationRequest(f"l{i}", random_tokens(n, seed=800 + i), PARAMS) for i, n in enumerate(LENGTHS[:4])]
 
-    async def main() -> tuple[dict[str, list[int]], dict[str, list[int]], int, PooledWorkers]:
-        workers = PooledWorkers(tiny_model_dir, tmp_path, num_decode=1)
-        try:
-            router = await workers.router(shadow=True)
-            want, _ = await _streams(router, [replace(r, request_id=f"{r.request_id}-ref") for r in reqs], None, None)
-            got, held = await _streams(router, reqs, workers, kill_after=12)
-            return want, got, held, workers
-        finally:
-            workers.close()
-
-    want, got, held, workers = asyncio.run(main())
+    workers = PooledWorkers(tiny_model_dir, tmp_path, num_decode=1)
+    want, got, held, workers = asyncio.run(_reference_then_kill(workers, reqs, shadow=True))
     assert held == len(reqs)
     lent = workers.prefill.shadow_stats()
     assert lent is not None and lent.num_resumed == len(reqs)
     assert all(got[r.request_id] == want[f"{r.request_id}-ref"] for r in reqs)
+
+
+def test_a_preempted_row_comes_back_from_its_kv(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Preemption by swap: the row's KV stays in the pool (shadowed); the resumed row imports it."""
+    req = GenerationRequest("p0", random_tokens(70, seed=810), PARAMS)
+
+    async def main() -> tuple[list[int], list[int], PooledWorkers]:
+        workers = PooledWorkers(tiny_model_dir, tmp_path, num_decode=1)
+        try:
+            router = await workers.router(shadow=True)
+            refs, _ = await _streams(router, [replace(req, request_id="p0-ref")], None, None)
+            want = refs["p0-ref"]
+            got: list[int] = []
+            async for event in router.generate(req):
+                got += event.output.new_token_ids
+                if len(got) >= 10 and router.preemptions.num_preempted == 0:
+                    assert router.preempt(req.request_id)  # no scheduler: it resumes here within 0.5 s
+            assert router.preemptions.num_preempted == 1 and router.preemptions.num_resumed_locally == 1
+            return want, got, workers
+        finally:
+            workers.close()
+
+    want, got, workers = asyncio.run(main())
+    stats = workers.decode_workers[0].shadow_stats()
+    assert stats is not None and stats.num_resumed == 1 and stats.num_resumed_blocks >= 4
+    assert got == want

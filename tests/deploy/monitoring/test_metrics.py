@@ -78,8 +78,8 @@ def test_refusal_reasons_stay_a_small_set() -> None:
     assert refusal_reason(Refused("Queue full: 812 waiting", 1.0)) == "other"
 
 
-def load(name: str, running: int, free: int, healthy: bool = True, rss_bytes: int = 0) -> WorkerLoad:
-    return WorkerLoad(name, "decode", running, 2, 1, free, 100, 0.004, healthy, rss_bytes)
+def load(name: str, running: int, free: int, healthy: bool = True, rss_bytes: int = 0, shadow_bytes: int = 0) -> WorkerLoad:
+    return WorkerLoad(name, "decode", running, 2, 1, free, 100, 0.004, healthy, rss_bytes, shadow_bytes=shadow_bytes)
 
 
 def engine(queried: int, hit: int, preempted: int = 0) -> EngineStats:
@@ -91,7 +91,7 @@ def test_cluster_snapshots_set_gauges_and_add_counter_increases(rec: Recorded) -
     peer = PeerStats(sends=2, wire_bytes_sent=1000, raw_bytes_sent=4000, wire_bytes_received=0, timeouts=1,
                      send_latency_ms_p50=3.0, send_latency_ms_p99=9.0, send_latency_ms_max=9.5)
     ex.export(ClusterSnapshot(
-        loads=(load("d0", 3, 40, rss_bytes=1 << 30), load("d1", 1, 90)), engines={"d0": engine(100, 40)},
+        loads=(load("d0", 3, 40, rss_bytes=1 << 30, shadow_bytes=3 << 20), load("d1", 1, 90)), engines={"d0": engine(100, 40)},
         pool=PrefixCacheStats(num_hits_dram=5, num_hits_disk=1, num_misses=4, dram_bytes=2048),
         transports=(TransportStats("p0", "nixl", {"d0": peer}, transfers_in_flight=1),),
         scheduler=SchedulerStats(num_recovered=2, num_preempted=1, num_refused={"tenant_over_budget": 3},
@@ -103,6 +103,7 @@ def test_cluster_snapshots_set_gauges_and_add_counter_increases(rec: Recorded) -
     assert rec.gauge("ferry_worker_step_ms", worker="d0", kind="decode") == 4.0
     assert rec.gauge("ferry_worker_rss_bytes", worker="d0", kind="decode") == 1 << 30
     assert rec.gauge("ferry_worker_rss_bytes", worker="d1", kind="decode") is None  # unknown: not exported
+    assert rec.gauge("ferry_kv_shadow_bytes", worker="d0", kind="decode") == 3 << 20
     assert rec.total("ferry_prefix_hbm_lookup_tokens", worker="d0") == 100
     assert rec.total("ferry_prefix_hbm_hit_tokens", worker="d0") == 40
     assert [rec.total("ferry_prefix_pool_lookups", tier=t) for t in ("dram", "disk", "miss")] == [5, 1, 4]
