@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import torch
-
 from actors.colocated import ColocatedWorker
 from actors.engine.async_engine import AsyncEngine
 from actors.handoff import num_reusable_blocks, prompt_block_hashes
-from actors.kv_shadow import KVShadows, ShadowStats
+from actors.kv_shadow import KVShadows, Resume, ShadowStats
 from actors.messages import GenerationRequest, TokenEvent
 from actors.pool_link import PoolLink, import_prefix
 
@@ -40,9 +38,9 @@ class WholeRuns:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self.shadows is not None and req.output_token_ids and req.shadow_salt is not None:
-            kv = await asyncio.to_thread(self.shadows.fetch, req)
-            if kv is not None:
-                async for event in self._resume(req, kv):
+            saved = await asyncio.to_thread(self.shadows.fetch, req)
+            if saved is not None:
+                async for event in self._resume(req, saved):
                     yield event
                 return
         if self.pool is not None and not req.output_token_ids and req.num_prompt_tokens >= 2:
@@ -54,11 +52,12 @@ class WholeRuns:
         async for event in self.local.generate(req):
             yield event
 
-    async def _resume(self, req: GenerationRequest, kv: torch.Tensor) -> AsyncIterator[TokenEvent]:
+    async def _resume(self, req: GenerationRequest, saved: Resume) -> AsyncIterator[TokenEvent]:
         """Runs a resumed request from its verified shadow blocks; only the tail is computed."""
         assert self.shadows is not None
-        self.shadows.track(req.request_id, req, num_in_pool=kv.shape[2])
-        outputs = self.engine.resume(req.request_id, list(req.prompt_token_ids), req.params, kv, req.engine_options())
+        self.shadows.track(req.request_id, req, num_in_pool=saved.num_blocks, partial=saved.partial)
+        outputs = self.engine.resume(req.request_id, list(req.prompt_token_ids), req.params, saved.kv,
+                                     req.engine_options(), saved.num_tokens)
         try:
             async for out in outputs:
                 yield TokenEvent.of(out, self.local.name)

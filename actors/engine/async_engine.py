@@ -71,14 +71,14 @@ class AsyncEngine:
             yield out
 
     async def resume(self, request_id: str, prompt: list[int], params: SamplingParams, kv: "torch.Tensor",
-                     options: RequestOptions) -> AsyncIterator[RequestOutput]:
+                     options: RequestOptions, num_kv_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
         """`generate` for a request resumed from its saved KV (`Engine.resume_from_kv`); raises
         `NoCapacity` before the first yield when the engine has no room for it now."""
         def add(*args: Any) -> None:
             if not self.engine.resume_from_kv(*args):
                 raise NoCapacity(f"no room to resume {request_id} here now")
 
-        async for out in self._run(request_id, add, request_id, prompt, params, kv, options):
+        async for out in self._run(request_id, add, request_id, prompt, params, kv, options, num_kv_tokens):
             yield out
 
     async def _run(self, request_id: str, add_fn: Callable[..., Any], *args: Any) -> AsyncIterator[RequestOutput]:

@@ -179,19 +179,20 @@ class Engine:
         return req
 
     def resume_from_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv: torch.Tensor, options: RequestOptions) -> bool:
-        """Resumes a request (prompt + `options.output_token_ids`) from the KV of its first n full
-        blocks, saved by the engine that ran it before (`kv` [num_layers, 2, n, block_size, Hkv, D]).
-        The tail is computed here, its output positions one token a step as the interrupted decode
+                       kv: torch.Tensor, options: RequestOptions, num_kv_tokens: int | None = None) -> bool:
+        """Resumes a request (prompt + `options.output_token_ids`) from the KV its last engine saved
+        of its first `num_kv_tokens` tokens (default: all of `kv` [L, 2, n, block_size, Hkv, D]). The
+        tail is computed here, its output positions one token a step as the interrupted decode
         steps did, so the continuation has the same bits. False (nothing changed): no room now."""
+        bs = self.cfg.block_size
         num_tokens = len(prompt_token_ids) + len(options.output_token_ids)
-        n = min(kv.shape[2], (num_tokens - 1) // self.cfg.block_size)  # the last token is computed here
-        if n < 1:
-            raise ValueError(f"{request_id}: no full block of saved KV to resume from")
-        block_ids = self.reserve(request_id, prompt_token_ids, params, options, num_kv_tokens=n * self.cfg.block_size)
+        n = min(kv.shape[2] * bs if num_kv_tokens is None else num_kv_tokens, num_tokens - 1)
+        if n < 1 or n > kv.shape[2] * bs:
+            raise ValueError(f"{request_id}: {n} tokens of saved KV do not fit {kv.shape[2]} blocks, or none to resume")
+        block_ids = self.reserve(request_id, prompt_token_ids, params, options, num_kv_tokens=n)
         if block_ids is None:
             return False
-        self.runner.write_blocks(block_ids, kv[:, :, :n])
+        self.runner.write_blocks(block_ids, kv[:, :, : len(block_ids)])
         self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
         return True
 

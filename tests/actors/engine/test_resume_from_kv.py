@@ -78,8 +78,8 @@ def test_resumed_from_kv_equals_uninterrupted_in_bfloat16(wider_model: Path, dev
         assert _run(wider_model, cfg, params, cut) == want, f"cut after {cut} steps"
 
 
-def test_resume_needs_a_full_block(wider_model: Path) -> None:
+def test_saved_kv_must_hold_the_tokens_it_claims(wider_model: Path) -> None:
     engine = Engine.from_pretrained(wider_model, EngineConfig(num_blocks=64))
     kv = torch.zeros(4, 2, 1, 16, 2, 32)
-    with pytest.raises(ValueError, match="no full block"):
-        engine.resume_from_kv("x", list(range(5, 15)), PARAMS, kv, RequestOptions(output_token_ids=(7,)))
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.resume_from_kv("x", list(range(5, 40)), PARAMS, kv, RequestOptions(output_token_ids=(7,)), 20)

@@ -14,7 +14,7 @@ import pytest
 
 from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams
-from actors.kv_shadow import resume_hashes
+from actors.kv_shadow import partial_hash, resume_hashes, shadow_keys
 from actors.messages import GenerationRequest
 from actors.prefix_cache.pool import PrefixCachePool
 
@@ -23,7 +23,7 @@ from .test_pool import make_pool
 
 GREEDY_LONG = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=48, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
-CUT = 20  # tokens streamed before the worker is lost: prompt 53 + 20 = 4 full blocks shadowed
+CUT = 20  # tokens streamed before the worker is lost: prompt 53 + 20 = 4 full blocks + 8 of 9 tokens shadowed
 
 
 async def _cut_run(cluster: LocalCluster, req: GenerationRequest, cut: int) -> list[int]:
@@ -80,10 +80,11 @@ def test_resume_from_shadows_is_token_identical_in_bfloat16(tiny_model_dir: Path
 
             rest, forwarded = await _resume(spare, req, done)
             assert done + rest == want
-            # 4 blocks came from the pool: the engine ran the tail (73 - 64 = 9 tokens, one a step)
-            # and then one token per decode step
-            assert forwarded == (53 + len(done) - 64) + (params.max_tokens - len(done) - 1)
-            assert spare.decode.shadow_stats().num_resumed_blocks == 4  # type: ignore[union-attr]
+            # 4 full blocks and the partly filled 5th (its first 8 of 9 known tokens, shadowed every
+            # 4) came from the pool: the engine ran the last known token, then one per decode step
+            resumed = spare.decode.shadow_stats()  # type: ignore[union-attr]
+            assert (resumed.num_resumed_blocks, resumed.num_resumed_tokens) == (5, 64 + 8)
+            assert forwarded == (53 + len(done) - 72) + (params.max_tokens - len(done) - 1)
         finally:
             first.close()
             spare.close()
@@ -151,8 +152,9 @@ def _spoil(pool: PrefixCachePool, handles: dict, block_hash: int, how: str, othe
     store.put([(block_hash, bad)])
 
 
+@pytest.mark.parametrize("which", ["full", "partial"])
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "stale"])
-def test_a_bad_shadow_block_becomes_a_recompute(tiny_model_dir: Path, tmp_path: Path, how: str) -> None:
+def test_a_bad_shadow_block_becomes_a_recompute(tiny_model_dir: Path, tmp_path: Path, how: str, which: str) -> None:
     prompt = random_tokens(53, seed=13)
     req = GenerationRequest("v", prompt, GREEDY_LONG, shadow_salt="5a1t")
     other = GenerationRequest("w", random_tokens(53, seed=14), GREEDY_LONG, shadow_salt="0ther")
@@ -169,12 +171,16 @@ def test_a_bad_shadow_block_becomes_a_recompute(tiny_model_dir: Path, tmp_path: 
             hashes = resume_hashes(replace(req, output_token_ids=tuple(done)), 16)
             other_hashes = resume_hashes(replace(other, output_token_ids=tuple(other_done)), 16)
             stale = handles[pool.owner(other_hashes[2])].store.get([other_hashes[2]])[0]
-            _spoil(pool, handles, hashes[2], how, stale)
+            tokens = prompt + done
+            partial = partial_hash(hashes[3], tokens[64:72], shadow_keys(req))  # 8 of the 9 tokens after them
+            _spoil(pool, handles, hashes[2] if which == "full" else partial, how, stale)
 
             rest, forwarded = await _resume(spare, req, done)
             assert done + rest == whole  # float32: a recompute of the spoiled blocks gives the same tokens
-            assert spare.decode.shadow_stats().num_resumed_blocks == 2  # type: ignore[union-attr]
-            assert forwarded == (53 + len(done) - 32) + (GREEDY_LONG.max_tokens - len(done) - 1)
+            # after a bad full block nothing more is imported; after a bad partial one, the 4 full blocks
+            imported = 32 if which == "full" else 64
+            assert spare.decode.shadow_stats().num_resumed_tokens == imported  # type: ignore[union-attr]
+            assert forwarded == (53 + len(done) - imported) + (GREEDY_LONG.max_tokens - len(done) - 1)
         finally:
             first.close()
             spare.close()
