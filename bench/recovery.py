@@ -6,9 +6,11 @@ Each scenario is a fresh deployment on one local Ray cluster, placed by the sche
 second run says how many streams two failure-free runs agree on), then again with the decode worker
 that holds most of them killed (`ray.kill`, like a SIGKILL) as soon as every stream has
 `--kill-after` tokens. Each run is its own tenant, so no run reuses another's cached prompt blocks.
-- `1P+1D replace`: the lone decode worker dies; a replacement of the same name starts and the
-  streams resume there (what `ferry serve` runs: `replace_dead_workers` on).
-- `1P+1D no-replace`: the same deployment without replacement (ferry before it): nowhere to resume.
+- `1P+1D replace`: the lone decode worker dies; the streams resume on the prefill worker, lent
+  until a replacement of the same name is up (what `ferry serve` runs: `replace_dead_workers` and
+  `lend_prefill` on).
+- `1P+1D no-replace`: the same deployment without replacement: the lent prefill worker is the only
+  place the streams can resume.
 - `1P+2D replace`: a second decode worker survives and takes the streams over at once; the dead one
   is replaced in the background.
 Each scenario runs with both `--kv-recovery` modes (default): `shadow`, the streams' KV blocks are

@@ -115,6 +115,9 @@ class AppConfig(ConfigSection):
     replace_dead_workers: bool = Field(
         True, description="start a fresh worker of the same kind and name when one dies; its streams resume "
                           "there when no other worker can take them")
+    lend_prefill: bool = Field(
+        True, description="with no decode worker up (a lone one died), its streams resume on a prefill worker "
+                          "until one is back, instead of waiting for the replacement")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
@@ -181,7 +184,7 @@ class AppConfig(ConfigSection):
 
     def to_router_config(self) -> RouterConfig:
         return RouterConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
-                            room_wait_s=self.room_wait_s)
+                            room_wait_s=self.room_wait_s, lend_prefill=self.lend_prefill)
 
 
 class ConfigError(ValueError):

@@ -373,9 +373,8 @@ class Router:
             except (NoWorkers, PlacementRefused) as e:
                 if isinstance(e, PlacementRefused) and e.reason != NO_HEALTHY_WORKER:
                     raise
-                lent = await self._borrow(flight)
-                if lent is not None:
-                    return lent
+                if (lent := await self._borrow(flight)) is not None:
+                    return self.recoveries.lent(flight, dead, lent)
                 reps = self.replacements
                 now = time.monotonic()
                 if reps is None or not (reps.replacing or now - reps.replaced_at < _SETTLE_S) or now >= deadline:
@@ -389,9 +388,9 @@ class Router:
                 dead = frozenset()  # a retry: the dead workers' round has been planned
 
     async def _borrow(self, flight: InFlight) -> PlacementChoice | None:
-        """With no decode worker up (a lone one died, its replacement starting), a request with KV
-        shadows resumes on a prefill worker meanwhile (`lend_prefill`); None: not allowed, or nowhere."""
-        if not (self.cfg.lend_prefill and flight.req.shadow_salt is not None):
+        """With no decode worker up (a lone one died, its replacement starting), the request resumes
+        on a prefill worker meanwhile (`lend_prefill`), from its KV shadows if any; None: not allowed."""
+        if not self.cfg.lend_prefill:
             return None
         choice = lend_prefill(*self.board.split(await self.board.loads()))
         if choice is not None:

@@ -18,7 +18,7 @@ class RouterConfig:
     # preemption resumes from it; the tenants in `shadow_exceptions` choose the other way.
     shadow_kv: bool = True
     shadow_exceptions: frozenset[str] = frozenset()
-    # With no decode worker up, a shadowed request resumes on a prefill worker until one is back.
+    # With no decode worker up, a recovery resumes on a prefill worker until one is back.
     lend_prefill: bool = True
 
     def shadows(self, tenant: str) -> bool:

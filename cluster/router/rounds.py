@@ -63,6 +63,15 @@ class RecoveryCoordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self.log: list[RecoveryRecord] = []
 
+    def lent(self, flight: InFlight, dead: frozenset[str], choice: PlacementChoice) -> PlacementChoice:
+        """Logs a recovery placed outside a round (round 0: on a prefill worker lent while no decode
+        worker is up) and returns `choice`."""
+        self.log.append(RecoveryRecord(
+            request_id=flight.request_id, round=0, position=0, dead=tuple(sorted(dead)),
+            num_streamed=len(flight.streamed), first_token_at=flight.first_token_at, prefill=None,
+            decode=choice.decodes[0], issued_at=None))
+        return choice
+
     async def recover(self, flight: InFlight, dead: frozenset[str]) -> PlacementChoice:
         """Waits for `flight`'s turn; returns where its next attempt runs, or raises what the plan
         said (no healthy worker, a refusal). The caller marks the attempt issued."""

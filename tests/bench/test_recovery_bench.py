@@ -21,13 +21,18 @@ def test_recovery_bench_on_the_tiny_model(ray_cluster: ModuleType, tmp_path: Pat
 
     model = write_tiny_model(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
     args = argparse.Namespace(model=str(model), streams=3, max_tokens=48, kill_after=12, dtype="float32",
-                              scenarios=["1P+1D replace", "1P+1D no-replace"])
+                              scenarios=["1P+1D replace", "1P+1D no-replace"], kv_recovery=["shadow", "recompute"])
     figures = asyncio.run(bench(args))
-    healed, lost = figures["scenarios"]["1P+1D replace"], figures["scenarios"]["1P+1D no-replace"]
-    assert (healed["finished"], healed["errors"], healed["same_tokens_as_failure_free"]) == (3, [], 3)
-    assert healed["replace_s"] > 0 and healed["stall_s_max"] >= healed["replace_s"] * 0.8
-    assert healed["stall_s_max"] > 5 * healed["normal_longest_gap_s_max"]
-    assert lost["finished"] == 0 and lost["errors"] and lost["replace_s"] is None
+    s = figures["scenarios"]
+    # The lone decode worker dies: the streams resume at once on the lent prefill worker (from KV
+    # shadows, or recomputed there), replaced or not, and end as without the failure (float32).
+    for name, kept in s.items():
+        assert (kept["finished"], kept["errors"], kept["same_tokens_as_failure_free"]) == (3, [], 3), name
+        assert kept["stall_s_max"] < 10 * max(0.2, kept["normal_longest_gap_s_max"]) + 2.0, name
+        assert kept["resumed_from_kv"] == (3 if name.endswith("shadow") else 0), name
+    for name in ("1P+1D replace shadow", "1P+1D replace recompute"):
+        assert s[name]["replace_s"] > 0 and s[name]["stall_s_max"] < s[name]["replace_s"], name
+    assert s["1P+1D no-replace recompute"]["replace_s"] is None
     figures["wall_s"] = 1.0
     table = render(figures)
-    assert "1P+1D replace     3/3" in table and "1P+1D no-replace  0/3" in table and "errors of the failed" in table
+    assert "1P+1D replace recompute     3/3" in table and "1P+1D no-replace recompute  3/3" in table

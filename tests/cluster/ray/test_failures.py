@@ -183,6 +183,9 @@ async def run_with_failure(dep: Deployment, reqs: list[GenerationRequest],
     assert struck, ("the failure never found its moment: every stream finished first",
                     {rid: (len(s.events), repr(s.error)) for rid, s in streams.items()})
     await asyncio.wait_for(done, max(1.0, deadline - time.monotonic()))
+    reps = dep.client.replacements  # streams may finish first (resumed elsewhere): the replacement too
+    if reps is not None and reps.replacing:
+        await asyncio.wait_for(asyncio.gather(*reps.replacing.values()), max(1.0, deadline - time.monotonic()))
     return streams
 
 
