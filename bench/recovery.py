@@ -5,7 +5,9 @@ Each scenario is a fresh deployment on one local Ray cluster, placed by the sche
 (the reference: tokens, and the longest gap between two tokens of a stream when nothing fails; the
 second run says how many streams two failure-free runs agree on), then again with the decode worker
 that holds most of them killed (`ray.kill`, like a SIGKILL) as soon as every stream has
-`--kill-after` tokens. Each run is its own tenant, so no run reuses another's cached prompt blocks.
+`--kill-after` tokens. Each run is its own tenant, so no run reuses another's cached prompt blocks,
+and streams start one after another (the next once the previous has its first token), so every
+prompt is prefilled alone and the same way in every run.
 - `1P+1D replace`: the lone decode worker dies; the streams resume on the prefill worker, lent
   until a replacement of the same name is up (what `ferry serve` runs: `replace_dead_workers` and
   `lend_prefill` on).
@@ -109,8 +111,9 @@ def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool, shadow: b
 
 
 async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after: int | None) -> dict[str, Any]:
-    """Streams `reqs` at once; with `kill_after`, kills the decode worker holding most of them when
-    every stream has that many tokens, and times its replacement."""
+    """Streams `reqs` (each started once the previous one streams); with `kill_after`, kills the
+    decode worker holding most of them when every stream has that many tokens, and times its
+    replacement."""
     runs = {r.request_id: Run() for r in reqs}
 
     async def consume(req: GenerationRequest) -> None:
@@ -125,7 +128,15 @@ async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after:
             lines = str(cause).strip().splitlines()
             run.error = f"{type(cause).__name__}: {lines[-1] if lines else ''}"
 
-    tasks = asyncio.gather(*(consume(r) for r in reqs))
+    # One prompt at a time (the next once the previous streams): each prefill then runs alone, so
+    # every run computes the same prompt KV bit for bit; prefills that share a step (or a system
+    # prompt one computed for another) round differently in bf16, which no resume can be blamed for.
+    started = []
+    for r in reqs:
+        started.append(asyncio.ensure_future(consume(r)))
+        while not runs[r.request_id].token_ids and not started[-1].done():
+            await asyncio.sleep(0.005)
+    tasks = asyncio.gather(*started)
     killed_at = None
     reps = client.replacements  # None: this scenario does not replace dead workers
     replaced_before = reps.num_replaced if reps is not None else 0

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads each ferry engine's kernels use (default: the app splits the CPUs among them)")
     p.add_argument("--ferry-workers-as", choices=["deployments", "actors"], default=None,
                    help="ferry's workers as Serve deployments (the app's default) or plain actors")
+    p.add_argument("--ferry-kv-recovery", choices=["shadow", "recompute"], default=None,
+                   help="every tenant's scheduler kv_recovery: shadow (KV copied to the prefix pool as it fills, "
+                        "the app's default) or recompute (nothing copied)")
     p.add_argument("--parallel", type=int, default=16, help="slots / max batch for every peer, and client concurrency")
     p.add_argument("--trace", default="azure", help="azure, mooncake, a .csv/.jsonl path, or 'none' (fixed lengths)")
     p.add_argument("--arrivals", choices=["trace", "poisson", "gamma"], default="trace")
@@ -228,7 +231,8 @@ def run_bench(a: argparse.Namespace) -> int:
                         ferry_dtype=a.ferry_dtype, ferry_stream_interval=a.ferry_stream_interval,
                         slo_ttft_ms=slos["default"].ttft_ms, slo_tpot_ms=slos["default"].tpot_ms,
                         ferry_local_prefill=a.ferry_local_prefill, ferry_preempt_batch=a.ferry_preempt_batch,
-                        ferry_torch_threads=a.ferry_torch_threads, ferry_workers_as=a.ferry_workers_as)
+                        ferry_torch_threads=a.ferry_torch_threads, ferry_workers_as=a.ferry_workers_as,
+                        ferry_kv_recovery=a.ferry_kv_recovery)
         for name in [s for s in a.systems.split(",") if s]:
             res = SystemResult(name)
             results.append(res)

@@ -60,6 +60,7 @@ class PeerSpec:
     ferry_preempt_batch: bool = True  # interactive requests may take batch-class rows (scheduler.preempt_batch)
     ferry_torch_threads: int | None = None  # threads per engine; None: the app's split of the CPUs
     ferry_workers_as: str | None = None  # "deployments" or "actors"; None: the app's default
+    ferry_kv_recovery: str | None = None  # "shadow" or "recompute" for every tenant; None: the app's default
 
 
 def free_port() -> int:
@@ -96,7 +97,8 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
             cfg["workers_as"] = spec.ferry_workers_as
         if not spec.ferry_preempt_batch:  # only when off: older snapshots (--ferry-src) do not know the key
             cfg["scheduler"]["preempt_batch"] = False
-        tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms)) if v is not None}
+        tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms),
+                                    ("kv_recovery", spec.ferry_kv_recovery)) if v is not None}
         if tenant:
             cfg["scheduler"]["default_tenant"] = tenant
         path = workdir / f"{name}.yaml"
