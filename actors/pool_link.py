@@ -8,8 +8,8 @@ stopping at the first payload that does not decode or names another hash (a miss
 has and puts only the rest, so a popular prefix is sent once, not once per request. Offers beyond
 `max_pending` are dropped: the cache is an optimisation and must never queue without bound.
 
-`shadow` puts a running request's next full blocks under its private shadow chain (no lookup
-first: nobody else has them), tagged with the request's epoch; `fetch(..., epoch=)` then accepts
+`shadow` puts a running request's next blocks under its private shadow keys (no lookup first:
+nobody else has them), tagged with the request's epoch; `fetch(..., epoch=)` then accepts
 only blocks carrying it. `remove` drops a chain. Both share the offers' one thread and bound.
 
 `import_prefix` is the lookup before a prompt is computed, for any engine that prefills: the
@@ -92,8 +92,9 @@ class PoolLink:
         return not hashes or self._submit(self._offer, list(hashes), kv)
 
     def shadow(self, hashes: Sequence[BlockHash], kv: torch.Tensor, epoch: int) -> bool:
-        """Queues the full blocks `hashes` of a request's shadow chain (KV a private copy, always
-        sent exact), each tagged with `epoch`; False when dropped (too many in flight)."""
+        """Queues the blocks `hashes` of a request's shadows (its chain's full blocks, or its partly
+        filled last one; KV a private copy, always sent exact), each tagged with `epoch`; False when
+        dropped (too many in flight)."""
         assert kv.shape[2] == len(hashes)
         return not hashes or self._submit(self._put, list(hashes), kv, 0, "none", epoch)
 
