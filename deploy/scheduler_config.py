@@ -39,10 +39,11 @@ class TenantSection(ConfigSection):
                             "with 429 slo_unattainable, its predicted wait and a Retry-After; queue, admitted "
                             "and served late, ordered by slack (queue_timeout_s still bounds its wait)")
     kv_recovery: Literal["shadow", "recompute"] = Field(
-        "shadow", description="shadow: running requests copy their KV blocks to the prefix-cache pool as they fill, "
-                              "so a recovery or preemption resumes from them (identical output, only the last "
-                              "partial block recomputed); recompute: nothing is copied, a resume recomputes the "
-                              "prefix (may take another path in bf16)")
+        "recompute", description="shadow: running requests copy their KV blocks to the prefix-cache pool as they "
+                                 "fill, so a recovery or preemption resumes from them (identical output, ~1 s "
+                                 "stall; costs decode and prefill time on shared CPU cores: see README); "
+                                 "recompute: nothing is copied, a resume recomputes the prefix (may take another "
+                                 "path in bf16)")
 
     def to_tenant_config(self, name: str) -> TenantConfig:
         slo = (InteractiveSlo(self.ttft_ms, self.tpot_ms) if self.slo_class == "interactive"
@@ -120,7 +121,7 @@ class SchedulerSection(ConfigSection):
     def kv_shadowing(self) -> dict[str, object]:
         """The router's `shadow_kv` (the default tenant's choice) and `shadow_exceptions` (listed
         tenants that chose otherwise)."""
-        default = self.default_tenant is None or self.default_tenant.kv_recovery == "shadow"
+        default = self.default_tenant is not None and self.default_tenant.kv_recovery == "shadow"
         others = frozenset(n for n, t in self.tenants.items() if (t.kv_recovery == "shadow") != default)
         return {"shadow_kv": default, "shadow_exceptions": others}
 

@@ -15,8 +15,9 @@ class RouterConfig:
     load_ttl_s: float = 0.2  # how long polled worker loads are trusted
     room_wait_s: float = 30.0  # a new request that finds every decode row taken queues this long (0: refuse at once)
     # Requests shadow their KV to the prefix-cache pool (actors/kv_shadow.py), so a recovery or a
-    # preemption resumes from it; the tenants in `shadow_exceptions` choose the other way.
-    shadow_kv: bool = True
+    # preemption resumes from it; the tenants in `shadow_exceptions` choose the other way. Off by
+    # default: on 2 shared CPU cores it cost 8-23% engine TPOT in serving (README, "KV shadows").
+    shadow_kv: bool = False
     shadow_exceptions: frozenset[str] = frozenset()
     # With no decode worker up, a recovery resumes on a prefill worker until one is back.
     lend_prefill: bool = True

@@ -60,14 +60,14 @@ def test_tenants_choose_kv_shadows_or_recompute() -> None:
     from cluster.router.config import RouterConfig
     from deploy.scheduler_config import SchedulerSection
 
-    section = SchedulerSection.model_validate({"tenants": {"nightly": {"slo_class": "batch", "kv_recovery": "recompute"},
-                                                           "acme": {}}})
+    section = SchedulerSection.model_validate({"tenants": {"acme": {"kv_recovery": "shadow"}, "nightly": {}}})
     router = RouterConfig(**section.kv_shadowing())  # type: ignore[arg-type]
-    assert router.shadows("acme") and router.shadows("walk-in") and not router.shadows("nightly")
-    flipped = SchedulerSection.model_validate({"default_tenant": {"kv_recovery": "recompute"},
-                                               "tenants": {"acme": {"kv_recovery": "shadow"}}})
+    assert router.shadows("acme") and not router.shadows("walk-in") and not router.shadows("nightly")
+    flipped = SchedulerSection.model_validate({"default_tenant": {"kv_recovery": "shadow"},
+                                               "tenants": {"nightly": {"kv_recovery": "recompute"}}})
     router = RouterConfig(**flipped.kv_shadowing())  # type: ignore[arg-type]
-    assert router.shadows("acme") and not router.shadows("walk-in")
+    assert router.shadows("walk-in") and not router.shadows("nightly")
+    assert not RouterConfig().shadows("anyone")  # off unless configured
 
 
 @pytest.fixture(scope="module")
