@@ -75,6 +75,11 @@ def print_json(figures: dict[str, Any]) -> None:
     print(json.dumps(figures, indent=2, sort_keys=False))
 
 
+def report(figures: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
+    """A benchmark's figures: as JSON (`--json`), or as its readable table."""
+    print_json(figures) if as_json else print(render(figures))
+
+
 def memcpy_bandwidth_bytes_per_s(size_bytes: int = 512 * MIB, repeats: int = 5) -> float:
     """Best-of-`repeats` rate of a large torch copy, as bytes copied per second.
 
@@ -127,4 +132,4 @@ def run_on_local_ray(bench: Callable[[Any], Awaitable[dict[str, Any]]], args: An
     finally:
         ray.shutdown()
     figures["wall_s"] = time.perf_counter() - t0
-    print_json(figures) if args.json else print(render(figures))
+    report(figures, args.json, render)

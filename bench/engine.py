@@ -61,8 +61,8 @@ from bench.common import (
     median,
     memcpy_bandwidth_bytes_per_s,
     peak_rss_bytes,
-    print_json,
     progress,
+    report,
 )
 
 MODEL = "smollm2"
@@ -472,10 +472,7 @@ def main() -> None:
     if on_cuda:
         figures["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     figures["wall_s"] = time.perf_counter() - t_start
-    if args.json:
-        print_json(figures)
-    else:
-        print(render(figures))
+    report(figures, args.json, render)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
 from actors.worker_config import MIB, WorkerConfig
-from bench.common import format_table, print_json, progress
+from bench.common import format_table, progress, report
 from transfer.config import TransferConfig, make_transport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,10 +221,7 @@ def main() -> None:
     t0 = time.perf_counter()
     figures = asyncio.run(bench(args))
     figures["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        print_json(figures)
-    else:
-        print(render(figures))
+    report(figures, args.json, render)
 
 
 if __name__ == "__main__":
