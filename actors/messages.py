@@ -128,6 +128,17 @@ class PrefillResult:
     compute_s: float  # the prefill-only engine run
     transfer_s: float  # read blocks, encode, send until the receiver holds every shard
     finished_at: float  # wall clock
+    # The transfer's codec (transfer/codec_choice.py): which, why (forced by policy, predicted
+    # fastest, or exploring), the encode + wire + decode seconds predicted for it and for every
+    # codec the policy allowed, and the actual: encode and send measured, decode as predicted (the
+    # receiver decodes after the send returns; its own figure is in its `ReceiverStats`).
+    kv_codec: str = "none"
+    kv_codec_reason: str = "forced"
+    kv_codec_predicted_s: float = 0.0
+    kv_codec_actual_s: float = 0.0
+    kv_encode_s: float = 0.0
+    kv_send_s: float = 0.0
+    kv_codec_predictions: tuple[tuple[str, float], ...] = ()
 
 
 def mib_or_none(num_bytes: int) -> int | None:

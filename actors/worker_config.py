@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.engine.config import EngineConfig
 from transfer.codec import Compression
+from transfer.codec_choice import allowed_codecs
 from transfer.config import TransferConfig
 
 MIB = 1 << 20
@@ -30,7 +31,13 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(
         default_factory=lambda: TransferConfig(send_staging_bytes=64 * MIB, recv_staging_bytes=64 * MIB))
-    compression: str = "none"  # KV on the wire: none (bit-exact), int8 or fp8
+    # KV on the wire: auto (per transfer, the codec predicted fastest: transfer/codec_choice.py),
+    # or none (bit-exact), int8 or fp8 for every transfer.
+    compression: str = "auto"
+    # Per-tenant policy (auto | none | int8 | fp8), which wins over `compression` for that tenant:
+    # none means the tenant needs exact KV. Tenants not listed follow `default_tenant_compression`.
+    tenant_compression: tuple[tuple[str, str], ...] = ()
+    default_tenant_compression: str = "auto"
     num_shards: int = 2  # layer groups per transfer (capped at the model's layer count)
     pool_compression: str = "none"  # blocks offered to the prefix-cache pool; none keeps them exact
     lease_s: float = 30.0  # decode: announced KV must land within this, else the blocks are freed
@@ -46,7 +53,8 @@ class WorkerConfig:
     ucx_net_devices: str | None = None
 
     def __post_init__(self) -> None:
-        Compression.parse(self.compression)
+        for policy in (self.compression, self.default_tenant_compression, *dict(self.tenant_compression).values()):
+            allowed_codecs(policy)
         Compression.parse(self.pool_compression)
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
@@ -60,6 +68,12 @@ class WorkerConfig:
         if self.transfer_timeout_s >= self.lease_s:
             # a send that is still allowed to finish after the receiver gave up would be wasted
             raise ValueError("transfer_timeout_s must be shorter than lease_s")
+
+    def codecs_for(self, tenant: str) -> tuple[Compression, ...]:
+        """The codecs a transfer of `tenant`'s KV may use: the tenant's own policy when it names a
+        codec, else the worker's `compression` (auto: every codec)."""
+        policy = dict(self.tenant_compression).get(tenant, self.default_tenant_compression)
+        return allowed_codecs(self.compression if policy == "auto" else policy)
 
 
 class NoGpuForWorker(ValueError):

@@ -1,0 +1,232 @@
+"""Which codec one KV transfer uses: the one predicted to deliver it soonest, within the tenant's policy.
+
+Mental model: shipping `raw` bytes of KV to a peer with codec c takes
+    encode_s(c, raw) + wire_s(peer, ratio(c) * raw) + decode_s(c, raw)
+and the chooser predicts each term from what it measured (codec_cost.py: the codec lines are
+calibrated when the worker starts, then fed by every real transfer's encode). The wire term is a
+line per peer, `overhead_s + wire_bytes / bandwidth`, fitted from the peer's real sends (the
+transport's `SendStats.latency_s` over its `wire_bytes`); until a peer has been sent to, the
+prior of its link class stands in:
+    process     one process, the in-process transport: a memory copy   8 GB/s, 50 us
+    node        another process on this node (NIXL over cma, the Ray
+                object store, CUDA IPC)                                4 GB/s, 1 ms
+    cross_node  another node: a 10 GbE NIC (a GPU cluster's RDMA is
+                faster, and its first sends say so)                    1.25 GB/s, 1 ms
+A slow link makes the bytes int8/fp8 save worth their encode and decode; a fast one does not,
+and none (bit-exact, nearly free to encode) wins. The policy is the set of codecs allowed: one
+codec forces it (a tenant that needs exact KV allows only none), all three let the prediction
+decide. Exploration keeps the estimates real: per peer, at most one transfer in `explore_every`
+takes an allowed codec other than the predicted best (one never tried on that peer first, else
+the least tried), and only one predicted within `explore_max_ratio` of the best unless it was
+never tried there. Each choice carries every allowed codec's prediction, for the request's
+timeline and metrics. Thread-safe: a prefill worker ships from several threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from transfer.codec import Compression, KVLayout
+from transfer.codec_cost import CodecCost, LineFit, calibrate
+
+LinkClass = Literal["process", "node", "cross_node"]
+ChoiceReason = Literal["forced", "predicted", "explore"]
+ALL_CODECS: tuple[Compression, ...] = tuple(Compression)
+POLICIES = ("auto", "none", "int8", "fp8")
+
+
+def allowed_codecs(policy: str) -> tuple[Compression, ...]:
+    """The codecs a policy allows: `auto` every one (the prediction decides), a codec's name only it."""
+    if policy == "auto":
+        return ALL_CODECS
+    if policy not in POLICIES:
+        raise ValueError(f"unknown KV compression policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return (Compression.parse(policy),)
+
+
+@dataclass(frozen=True)
+class LinkPrior:
+    """A link class's wire, until a peer's own sends are measured."""
+
+    bandwidth_bytes_per_s: float
+    overhead_s: float
+
+
+LINK_PRIORS: Mapping[str, LinkPrior] = {
+    "process": LinkPrior(8e9, 5e-5),
+    "node": LinkPrior(4e9, 1e-3),
+    "cross_node": LinkPrior(1.25e9, 1e-3),
+}
+
+
+def link_class(transport_kind: str, this_node: str, peer_node: str | None) -> LinkClass:
+    """The link to a peer: the in-process transport is one process; otherwise the peer's node
+    (when known) against ours. An unknown node counts as another node, the conservative prior
+    (compression pays there): the peer's first sends replace it."""
+    if transport_kind == "local":
+        return "process"
+    if transport_kind == "cuda_ipc" or (peer_node is not None and peer_node == this_node):
+        return "node"
+    return "cross_node"
+
+
+@dataclass(frozen=True)
+class ChooserConfig:
+    explore_every: int = 16  # per peer: at most one exploring transfer in this many
+    explore_max_ratio: float = 2.0  # explore a codec tried before only if predicted within this of the best
+    decay: float = 0.2  # weight each older sample loses per new one (codec lines and wire lines)
+
+    def __post_init__(self) -> None:
+        if self.explore_every < 2 or self.explore_max_ratio < 1 or not 0 < self.decay < 1:
+            raise ValueError("explore_every must be >= 2, explore_max_ratio >= 1 and decay in (0, 1)")
+
+
+@dataclass(frozen=True)
+class CodecChoice:
+    """One transfer's codec, why, and every allowed codec's predicted encode + wire + decode seconds."""
+
+    codec: Compression
+    reason: ChoiceReason
+    link: LinkClass
+    predicted_s: Mapping[str, float]  # by codec name
+
+    @property
+    def name(self) -> str:
+        return self.codec.name.lower()
+
+    @property
+    def chosen_predicted_s(self) -> float:
+        return self.predicted_s[self.name]
+
+
+@dataclass(frozen=True)
+class PeerEstimate:
+    """What the chooser believes about one peer's wire (for operators and tests)."""
+
+    peer: str
+    link: LinkClass
+    bandwidth_bytes_per_s: float
+    overhead_s: float
+    num_sends: int
+    tries: Mapping[str, int]  # transfers sent to it, by codec
+
+
+@dataclass
+class _Peer:
+    link: LinkClass
+    wire: LineFit
+    num_choices: int = 0
+    last_explore: int = 0
+    tries: Counter[Compression] = field(default_factory=Counter)
+
+
+class CodecChooser:
+    def __init__(self, costs: Mapping[Compression, CodecCost], cfg: ChooserConfig | None = None,
+                 default_link: LinkClass = "cross_node", priors: Mapping[str, LinkPrior] = LINK_PRIORS) -> None:
+        missing = set(ALL_CODECS) - set(costs)
+        if missing:
+            raise ValueError(f"no cost for codecs {sorted(c.name for c in missing)}")
+        self.cfg = cfg or ChooserConfig()
+        self.default_link = default_link
+        self._priors = dict(priors)
+        self._costs = dict(costs)
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def calibrated(cls, layout: KVLayout, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                   device_shards: bool = False, num_shards: int = 2, cfg: ChooserConfig | None = None,
+                   default_link: LinkClass = "cross_node") -> "CodecChooser":
+        """A chooser whose codec costs are measured here and now (codec_cost.calibrate)."""
+        cfg = cfg or ChooserConfig()
+        costs = calibrate(layout, dtype, device, device_shards=device_shards, num_shards=num_shards, decay=cfg.decay)
+        return cls(costs, cfg, default_link)
+
+    def _peer(self, peer: str) -> _Peer:
+        # Caller holds _lock.
+        state = self._peers.get(peer)
+        if state is None:
+            state = self._peers[peer] = _Peer(self.default_link, LineFit(self.cfg.decay))
+        return state
+
+    def set_link(self, peer: str, link: LinkClass) -> None:
+        """The peer's link class (its prior); measurements already taken stay."""
+        if link not in self._priors:
+            raise ValueError(f"unknown link class {link!r}; choose one of {', '.join(self._priors)}")
+        with self._lock:
+            self._peer(peer).link = link
+
+    def _wire_s(self, state: _Peer, wire_bytes: float) -> float:
+        prior = self._priors[state.link]
+        return state.wire.predict(wire_bytes, prior.overhead_s, 1.0 / prior.bandwidth_bytes_per_s)
+
+    def _predict(self, state: _Peer, raw_bytes: int, codecs: Iterable[Compression]) -> dict[Compression, float]:
+        out = {}
+        for c in codecs:
+            cost = self._costs[c]
+            out[c] = cost.codec_s(raw_bytes) + self._wire_s(state, cost.wire_ratio * raw_bytes)
+        return out
+
+    def predict(self, peer: str, raw_bytes: int) -> dict[str, float]:
+        """Predicted encode + wire + decode seconds of every codec, by name."""
+        with self._lock:
+            return {c.name.lower(): s for c, s in self._predict(self._peer(peer), raw_bytes, ALL_CODECS).items()}
+
+    def choose(self, peer: str, raw_bytes: int, allowed: Iterable[Compression] = ALL_CODECS) -> CodecChoice:
+        """The codec to send `raw_bytes` of KV to `peer` with, among `allowed` (in codec order)."""
+        allowed = sorted(set(allowed))
+        if not allowed:
+            raise ValueError("no codec allowed")
+        with self._lock:
+            state = self._peer(peer)
+            predicted = self._predict(state, raw_bytes, allowed)
+            names = {c.name.lower(): s for c, s in predicted.items()}
+            if len(allowed) == 1:
+                return CodecChoice(allowed[0], "forced", state.link, names)
+            state.num_choices += 1
+            best = min(allowed, key=lambda c: (predicted[c], c))
+            explore = self._exploration(state, best, predicted)
+            if explore is not None:
+                state.last_explore = state.num_choices
+                return CodecChoice(explore, "explore", state.link, names)
+            return CodecChoice(best, "predicted", state.link, names)
+
+    def _exploration(self, state: _Peer, best: Compression, predicted: Mapping[Compression, float]) -> Compression | None:
+        # Caller holds _lock.
+        if state.num_choices - state.last_explore < self.cfg.explore_every:
+            return None
+        others = [c for c in predicted if c != best and (
+            state.tries[c] == 0 or predicted[c] <= self.cfg.explore_max_ratio * predicted[best])]
+        if not others:
+            return None
+        return min(others, key=lambda c: (state.tries[c], c))
+
+    def record(self, peer: str, codec: Compression, raw_bytes: int, wire_bytes: int, encode_s: float,
+               wire_s: float) -> None:
+        """A finished transfer: its encode seconds feed the codec's line, its send the peer's wire."""
+        with self._lock:
+            state = self._peer(peer)
+            state.tries[codec] += 1
+            state.wire.add(wire_bytes, wire_s)
+            cost = self._costs[codec]
+            cost.encode.add(raw_bytes, encode_s)
+            cost.add_ratio(raw_bytes, wire_bytes)
+
+    def decode_s(self, codec: Compression, raw_bytes: int) -> float:
+        """Predicted decode seconds on the receiver (the sender's own line: same hardware class)."""
+        with self._lock:
+            return self._costs[codec].decode.predict(raw_bytes, 0.0, 0.0)
+
+    def estimate(self, peer: str) -> PeerEstimate:
+        with self._lock:
+            state = self._peer(peer)
+            prior = self._priors[state.link]
+            fixed, per_byte = state.wire.line(prior.overhead_s) or (prior.overhead_s, 1 / prior.bandwidth_bytes_per_s)
+            return PeerEstimate(peer, state.link, 1.0 / per_byte, fixed, state.wire.num_samples,
+                                {c.name.lower(): n for c, n in state.tries.items()})
