@@ -6,9 +6,10 @@ Mental model, one `prefill(req, decode_peer)`:
      decoded and imported into the engine's prefix cache, so step 2 reuses them like local ones;
   2. compute: a prefill-only engine run (chunked, batched with other prefills): only the tokens
      after the reused prefix go through the model; the KV stays held, nothing is sampled;
-  3. transfer: the blocks of the first `len(prompt) - 1` tokens are read, encoded (compressed, in
-     layer-group shards) and sent to the decode worker's endpoint; the held blocks are released
-     once the receiver holds every shard, or on any failure;
+  3. transfer: the blocks of the first `len(prompt) - 1` tokens are read, encoded (with the codec
+     the tenant's policy allows and `self.codecs` predicts fastest to that peer:
+     transfer/codec_choice.py; in layer-group shards) and sent to the decode worker's endpoint;
+     the held blocks are released once the receiver holds every shard, or on any failure;
   4. in the background, the prompt's full blocks the pool lacks are offered to it.
 The answer is a `PrefillResult` with the counts and the time of each stage. Every blocking call
 (engine lock, pool, transport) runs on this worker's threads, never on the event loop.
@@ -25,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -45,10 +47,22 @@ from actors.telemetry import ReportsTelemetry
 from actors.whole_runs import WholeRuns
 from actors.worker_config import WorkerConfig
 from transfer.codec import KVLayout, encode
+from transfer.codec_choice import CodecChoice, CodecChooser, link_class
+from transfer.cuda_ipc import this_node
 from transfer.transport import KVTransport, SendStats, takes_device_shards
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """One handoff's send, its codec choice, and its measured encode and encode + send + decode seconds."""
+
+    sent: SendStats
+    choice: CodecChoice
+    encode_s: float
+    actual_s: float  # the decode term is the chooser's prediction: the receiver decodes after the send
 
 
 class PrefillWorker(ReportsTelemetry):
@@ -65,6 +79,13 @@ class PrefillWorker(ReportsTelemetry):
         # Whole requests: only when the router lends this worker to a dead decode worker's streams
         # until its replacement is up (they resume from their KV shadows, and keep shadowing).
         self.runs = WholeRuns(async_engine, self.name, layout.block_size, self.pool, cfg.max_shadow_bytes, cfg.shadow_keep_s)
+        # Which codec each transfer uses (the policy's, or the one predicted fastest to each peer),
+        # from codec costs measured here once and then on every transfer.
+        runner = self._engine.runner
+        device_shards = runner.device.type == "cuda" and takes_device_shards(transport)
+        self.codecs = CodecChooser.calibrated(layout, runner.model_dtype, runner.device, device_shards=device_shards,
+                                              num_shards=cfg.num_shards,
+                                              default_link=link_class(getattr(transport, "kind", ""), "", None))
         # Enough threads that a slow send or pool fetch does not hold up other requests' lookups.
         self._threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"prefill-{self.name}")
 
@@ -94,33 +115,42 @@ class PrefillWorker(ReportsTelemetry):
         assert final is not None and final.finish_reason == "prefilled", final
         computed = time.time()
         try:
-            kv, sent = await self._call(self._ship, req, hashes, decode_peer)
+            kv, shipped_kv = await self._call(self._ship, req, hashes, decode_peer)
         finally:
             await self._call(self.engine.locked, self._engine.release_kv, req.request_id)
         shipped = time.time()
         if self.pool is not None:
             self.pool.offer(hashes, kv[:, :, : len(hashes)])  # full blocks only: a partial one has no hash
+        sent, choice = shipped_kv.sent, shipped_kv.choice
         return PrefillResult(
             request_id=req.request_id, worker=self.name, num_prompt_tokens=num_prompt,
             num_computed_tokens=num_prompt - final.num_cached_tokens, num_local_hit_blocks=num_local,
             num_pool_hit_blocks=num_pool, num_kv_blocks=kv.shape[2], kv_raw_bytes=sent.raw_bytes,
             kv_wire_bytes=sent.wire_bytes, num_shards=sent.num_shards, queued_s=max(0.0, started - req.arrival_time),
             lookup_s=looked_up - started, compute_s=computed - looked_up, transfer_s=shipped - computed,
-            finished_at=shipped,
+            finished_at=shipped, kv_codec=choice.name, kv_codec_reason=choice.reason,
+            kv_codec_predicted_s=choice.chosen_predicted_s, kv_codec_actual_s=shipped_kv.actual_s,
+            kv_encode_s=shipped_kv.encode_s, kv_send_s=sent.latency_s,
+            kv_codec_predictions=tuple(choice.predicted_s.items()),
         )
 
-    def _ship(self, req: GenerationRequest, hashes: list[BlockHash],
-              decode_peer: str) -> tuple[torch.Tensor, SendStats]:
+    def _ship(self, req: GenerationRequest, hashes: list[BlockHash], decode_peer: str) -> tuple[torch.Tensor, Shipped]:
         n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)
         kv = self.engine.locked(self._read_held, req.request_id, n)  # [L, 2, n, bs, Hkv, D], a copy
         zero_stale_tail(kv, req.num_prompt_tokens, self.layout.block_size)
-        tag = transfer_tag(req.request_id)
-        shards = encode(kv, self.layout, compression=self.cfg.compression,
-                        num_shards=num_handoff_shards(kv.numel() * kv.element_size(), self.layout.num_layers,
-                                                      self.cfg.num_shards, self._staging_bytes),
+        tag, raw_bytes = transfer_tag(req.request_id), kv.numel() * kv.element_size()
+        choice = self.codecs.choose(decode_peer, raw_bytes, self.cfg.codecs_for(req.tenant))
+        started = time.perf_counter()
+        shards = encode(kv, self.layout, compression=choice.codec,
+                        num_shards=num_handoff_shards(raw_bytes, self.layout.num_layers, self.cfg.num_shards,
+                                                      self._staging_bytes),
                         block_hashes=[*hashes[:n], *[0] * (n - len(hashes[:n]))], transfer_id=tag,
                         device=kv.device if kv.is_cuda and takes_device_shards(self.transport) else None)
-        return kv, self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)
+        encode_s = time.perf_counter() - started
+        sent = self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)
+        self.codecs.record(decode_peer, choice.codec, raw_bytes, sent.wire_bytes, encode_s, sent.latency_s)
+        actual_s = encode_s + sent.latency_s + self.codecs.decode_s(choice.codec, raw_bytes)
+        return kv, Shipped(sent, choice, encode_s, actual_s)
 
     def _read_held(self, request_id: str, num_blocks: int) -> torch.Tensor:
         # Under the engine lock: one wait for both calls.
@@ -139,9 +169,13 @@ class PrefillWorker(ReportsTelemetry):
         return self.runs.shadow_stats()
 
     # ------------------------------------------------------------------------ wiring, stats
-    async def add_peer(self, metadata: bytes) -> str:
-        """Learns a decode worker's endpoint; returns the name to pass to `prefill`."""
-        return await self._call(self.transport.add_peer, metadata)
+    async def add_peer(self, metadata: bytes, node: str | None = None) -> str:
+        """Learns a decode worker's endpoint; returns the name to pass to `prefill`. `node` (the
+        peer's `this_node()`, when the caller knows it) picks the link prior its codec choice
+        starts from."""
+        peer = await self._call(self.transport.add_peer, metadata)
+        self.codecs.set_link(peer, link_class(getattr(self.transport, "kind", ""), this_node(), node))
+        return peer
 
     async def flush_offers(self, timeout_s: float = 10.0) -> bool:
         """Waits until background pool offers are done (tests, orderly shutdown)."""
