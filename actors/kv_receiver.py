@@ -9,7 +9,8 @@ a wait per shard would cost a step per shard), and the requests whose last shard
 committed into the running batch in that same wait. Deliveries are released right after, so the
 senders' next shards get the room. The same loop expires reservations whose lease
 passed: their blocks are freed and their streams fail with `KVNotArrived`. Shards of an unknown
-tag (late, or of an expired or aborted request) are released and dropped.
+tag (late, or of an expired or aborted request) are released and dropped. Each decode is timed, by codec
+(`ReceiverStats.decode_s`): the receiving side's own share of a transfer's codec cost.
 
 Locking: `_lock` guards the reservations and is held across "find reservation -> write blocks ->
 commit", so a `cancel` cannot free blocks that are being written (the engine lock is only ever
@@ -30,7 +31,7 @@ import torch
 from actors.engine.async_engine import AsyncEngine
 from actors.errors import HandoffFailed, KVNotArrived, RequestAborted
 from actors.handoff import transfer_tag
-from transfer.codec import DecodedShard, KVLayout, decode_shard
+from transfer.codec import Compression, DecodedShard, KVLayout, decode_shard
 from transfer.transport import Delivery, KVTransport, TransferError, TransferTimeout
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,10 @@ class ReceiverStats:
     num_failed: int
     num_dropped_shards: int  # late or unknown
     wire_bytes: int
+    # This side's own codec cost, by codec name: seconds in `decode_shard` and the raw KV bytes
+    # those shards held (the sender's chooser predicts this; here is what it really was).
+    decode_s: dict[str, float] = field(default_factory=dict)
+    decoded_raw_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class KVReceiver:
@@ -67,6 +72,8 @@ class KVReceiver:
         self._pending: dict[int, _Reservation] = {}
         self._num_committed = self._num_expired = self._num_failed = self._num_dropped = 0
         self._wire_bytes = 0
+        self._decode_s: dict[str, float] = {}
+        self._decoded_raw_bytes: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{transport.name}", daemon=True)
         self._thread.start()
@@ -94,7 +101,7 @@ class KVReceiver:
     def stats(self) -> ReceiverStats:
         with self._lock:
             return ReceiverStats(len(self._pending), self._num_committed, self._num_expired, self._num_failed,
-                                 self._num_dropped, self._wire_bytes)
+                                 self._num_dropped, self._wire_bytes, dict(self._decode_s), dict(self._decoded_raw_bytes))
 
     def close(self) -> None:
         self._stop.set()
@@ -144,7 +151,9 @@ class KVReceiver:
                     logger.info("%s: dropped a shard of unknown or expired tag %#x", self.transport.name, d.tag)
                     continue
                 try:
+                    started = time.perf_counter()
                     shard = decode_shard(d.data, self.layout)
+                    self._count_decode(shard, time.perf_counter() - started)
                     h = shard.header
                     if h.transfer_id != d.tag or h.num_blocks != len(res.block_ids):
                         raise HandoffFailed(f"{res.request_id}: shard of transfer {h.transfer_id:#x} with "
@@ -164,6 +173,12 @@ class KVReceiver:
                     self._wire_bytes += res.wire_bytes
                 elif outcome == "gone":
                     self._fail(tag, RequestAborted(f"{res.request_id}: its reservation was dropped"))
+
+    def _count_decode(self, shard: DecodedShard, seconds: float) -> None:
+        # Caller holds _lock.
+        codec = Compression(shard.header.compression).name.lower()
+        self._decode_s[codec] = self._decode_s.get(codec, 0.0) + seconds
+        self._decoded_raw_bytes[codec] = self._decoded_raw_bytes.get(codec, 0) + shard.header.raw_bytes
 
     def _write_and_commit(self, writes: list[tuple[_Reservation, DecodedShard, int]]) -> dict[_Reservation, str]:
         # Runs under the engine lock. The reservation is checked here, atomically with the write:

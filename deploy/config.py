@@ -13,6 +13,7 @@ the engine's). The KV pool is planned from the memory left after the weights and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,7 +76,10 @@ class TransferSection(ConfigSection):
     kind: Literal["auto", "nixl", "cuda_ipc", "object_store"] = Field(
         "auto", description="auto: cuda_ipc between GPU workers of a one-node cluster, else nixl where it "
                             "imports (device staging when the KV is on a GPU), else the Ray object store")
-    compression: Literal["none", "int8", "fp8"] = "none"
+    compression: Literal["auto", "none", "int8", "fp8"] = Field(
+        "auto", description="KV on the wire: auto picks, per transfer, the codec predicted to deliver it soonest "
+                            "(encode + wire + decode, from measured link bandwidth and codec costs); none is "
+                            "bit-exact; int8 / fp8 force that codec. A tenant's scheduler kv_compression wins")
     num_shards: int = Field(2, ge=1)
     staging_mib: int = Field(64, gt=0)
     timeout_s: float = Field(10.0, gt=0)
@@ -157,14 +161,19 @@ class AppConfig(ConfigSection):
         )
         return engine if resources is None else resources.place(engine)
 
-    def to_worker_config(self, resources: WorkerResources | None = None) -> WorkerConfig:
+    def to_worker_config(self, resources: WorkerResources | None = None,
+                         tenant_compression: Mapping[str, str] | None = None,
+                         default_tenant_compression: str = "auto") -> WorkerConfig:
+        """`tenant_compression` / `default_tenant_compression`: the tenants' KV compression
+        policies (the scheduler section's `kv_compression()`)."""
         t = self.transfer
         staging = t.staging_mib * MIB
         return WorkerConfig(
             model=self.model, engine=self.to_engine_config(resources),
             transfer=TransferConfig(kind=t.kind, send_staging_bytes=staging, recv_staging_bytes=staging,
                                     ucx_net_devices=t.ucx_net_devices),
-            compression=t.compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
+            compression=t.compression, tenant_compression=tuple(sorted((tenant_compression or {}).items())),
+            default_tenant_compression=default_tenant_compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
             lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
             stream_interval=self.stream_interval, max_shadow_bytes=self.shadow_budget_bytes(),
         )

@@ -45,6 +45,11 @@ class TenantSection(ConfigSection):
                                  "recompute: nothing is copied, a resume recomputes the prefix (may take another "
                                  "path in bf16)")
 
+    kv_compression: Literal["auto", "none", "int8", "fp8"] = Field(
+        "auto", description="the KV handed from prefill to decode: auto, the transfer's codec is the one predicted "
+                            "fastest (transfer.compression decides when that is not auto); none, exact KV "
+                            "required; int8 / fp8, always that codec (see README for their token agreement)")
+
     def to_tenant_config(self, name: str) -> TenantConfig:
         slo = (InteractiveSlo(self.ttft_ms, self.tpot_ms) if self.slo_class == "interactive"
                else BatchSlo(self.deadline_s))
@@ -124,6 +129,13 @@ class SchedulerSection(ConfigSection):
         default = self.default_tenant is not None and self.default_tenant.kv_recovery == "shadow"
         others = frozenset(n for n, t in self.tenants.items() if (t.kv_recovery == "shadow") != default)
         return {"shadow_kv": default, "shadow_exceptions": others}
+
+    def kv_compression(self) -> dict[str, object]:
+        """The prefill workers' `tenant_compression` (listed tenants) and `default_tenant_compression`
+        (the rest; auto when unlisted tenants are refused anyway)."""
+        default = "auto" if self.default_tenant is None else self.default_tenant.kv_compression
+        return {"tenant_compression": {n: t.kv_compression for n, t in self.tenants.items()},
+                "default_tenant_compression": default}
 
     def to_link_config(self, block_size: int) -> LinkConfig:
         return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,

@@ -28,6 +28,7 @@ NUM_BLOCKS = 64
 def worker_config(model: Path, **kw: object) -> WorkerConfig:
     kw.setdefault("engine", EngineConfig(num_blocks=NUM_BLOCKS))
     kw.setdefault("transfer", TransferConfig(kind="local"))
+    kw.setdefault("compression", "none")  # bit-exact KV: these tests compare tokens with one engine's
     return WorkerConfig(model=str(model), **kw)  # type: ignore[arg-type]
 
 
