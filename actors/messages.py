@@ -106,6 +106,7 @@ class GenerationRequest:
             prefill_only=prefill_only,
             max_chunk_tokens=None if prefill_only else self.max_chunk_tokens,
             priority_rank=self.priority_rank,
+            tenant=self.tenant,
         )
 
 
@@ -162,6 +163,9 @@ class WorkerLoad:
     rss_bytes: int = 0  # resident memory of the worker's process; 0 where unknown
     kv_plan: KVPlan | None = None  # how the engine's KV pool was sized (fixed at start); None where unknown
     shadow_bytes: int = 0  # prefix-pool memory its running requests' KV shadows hold (kv_shadow.py)
+    # Engine KV blocks charged to each tenant (in use, plus free ones holding its cached prefixes)
+    kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
+    offloaded_bytes: int = 0  # host memory the KV of preempted batch requests takes (engine offload)
 
     @property
     def rss_mib(self) -> int | None:

@@ -5,6 +5,12 @@ cached prefix (it has a `block_hash` and sits in `_cached`): it can be revived b
 with the same prefix (`touch`) until `allocate` evicts it. The free queue is ordered for eviction:
 blocks with no cached content sit at the front (reused first), cached ones are appended at the back
 in the order they were freed, so the least recently used prefix is evicted first.
+
+Tenants: every block is charged to the tenant whose request allocated it (`Block.tenant`), so the
+pool knows each tenant's footprint (`usage`: blocks in use plus free-but-cached). With
+`TenantShares` set, a cached block is evicted from the tenant furthest above its guarantee first
+(its least recently used one), not from the global LRU; the ceilings are enforced by the KV cache
+manager, which refuses an allocation that would take a tenant past its `max`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 
 from actors.engine.block_hash import BlockHash
 from actors.engine.errors import EngineError
+from actors.engine.shares import TenantShares
 
 
 class OutOfBlocks(EngineError):
@@ -26,6 +33,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    tenant: str = ""  # whose request allocated it (its KV), charged for it while in use or cached
 
 
 @dataclass(frozen=True)
@@ -37,14 +45,18 @@ class BlockPoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, shares: TenantShares | None = None) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.shares = shares or TenantShares()
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
+        self.in_use: dict[str, int] = {}  # tenant -> its blocks with references
+        # tenant -> its free blocks that hold a cached prefix, least recently used first
+        self._cached_free: dict[str, OrderedDict[int, Block]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,27 +72,56 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
 
+    def usage(self) -> dict[str, int]:
+        """Blocks charged to each tenant: in use, plus free ones still holding its cached prefixes."""
+        out = dict(self.in_use)
+        for tenant, blocks in self._cached_free.items():
+            out[tenant] = out.get(tenant, 0) + len(blocks)
+        return {t: n for t, n in out.items() if n}
+
     def touch(self, blocks: Iterable[Block]) -> None:
         """Takes a reference on cached blocks found by hash, reviving them from the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self._unlist_cached_free(block)
+                self.in_use[block.tenant] = self.in_use.get(block.tenant, 0) + 1
             block.ref_cnt += 1
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def allocate(self, num_blocks: int) -> list[Block]:
+    def allocate(self, num_blocks: int, tenant: str = "") -> list[Block]:
         if num_blocks > len(self._free):
             raise OutOfBlocks(f"asked for {num_blocks} blocks, {len(self._free)} free")
         out = []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
+            block = self._next_victim()
+            del self._free[block.block_id]
             if block.block_hash is not None:
+                self._unlist_cached_free(block)
                 self._evict(block)
             block.ref_cnt = 1
+            block.tenant = tenant
             out.append(block)
+        self.in_use[tenant] = self.in_use.get(tenant, 0) + num_blocks
         return out
+
+    def _next_victim(self) -> Block:
+        """The free block to hand out next: an empty one, else a cached one, from the global LRU or,
+        with tenant shares, the LRU of the tenant furthest above its guarantee."""
+        block = next(iter(self._free.values()))
+        if block.block_hash is None or not self.shares.enabled:
+            return block
+        candidates = [t for t, blocks in self._cached_free.items() if blocks]
+        tenant = self.shares.eviction_order(self.usage(), self.num_blocks, candidates)[0]
+        return next(iter(self._cached_free[tenant].values()))
+
+    def _unlist_cached_free(self, block: Block) -> None:
+        if block.block_hash is not None:
+            listed = self._cached_free.get(block.tenant)
+            if listed is not None:
+                listed.pop(block.block_id, None)
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drops one reference per block; callers pass a sequence's blocks tail first so that a
@@ -89,9 +130,12 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.in_use[block.tenant] -= 1
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
+                else:
+                    self._cached_free.setdefault(block.tenant, OrderedDict())[block.block_id] = block
 
     def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
         """Registers a full, computed block under its chained hash. Returns False when caching is
@@ -114,6 +158,8 @@ class BlockPool:
         dropped = [b for b in self._free.values() if b.block_hash is not None]
         for block in dropped:
             self._evict(block)
+            self._free.move_to_end(block.block_id, last=False)
+        self._cached_free.clear()
         return len(dropped)
 
     def stats(self) -> BlockPoolStats:
@@ -128,3 +174,8 @@ class BlockPool:
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash
         assert all(self._free[i] is self.blocks[i] for i in self._free)
+        for tenant, n in self.in_use.items():
+            assert n == sum(1 for b in self.blocks if b.ref_cnt > 0 and b.tenant == tenant), (tenant, n)
+        listed = {i for blocks in self._cached_free.values() for i in blocks}
+        assert listed == {b.block_id for b in self._free.values() if b.block_hash is not None}, "cached-free lists"
+        assert all(b.tenant == t for t, blocks in self._cached_free.items() for b in blocks.values())

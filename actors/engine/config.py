@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from actors.engine.shares import TenantShares
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -165,6 +167,11 @@ class EngineConfig:
     # faster GEMMs at decode batch sizes for one more copy of the weights in memory.
     prepack_weights: bool = True
     seed: int = 0
+    # Each tenant's guaranteed and maximum share of the KV blocks (shares.py); none: one shared pool.
+    tenant_kv_shares: TenantShares = field(default_factory=TenantShares)
+    # Host memory a preempted batch-class request's KV may be offloaded to instead of being
+    # recomputed later (offload.py); 0 turns offload off.
+    max_offload_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -175,6 +182,8 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if not 0 < self.kv_memory_fraction <= 1 or not 0 < self.kv_memory_share <= 1:
             raise ValueError("kv_memory_fraction and kv_memory_share must be in (0, 1]")
+        if self.max_offload_bytes < 0:
+            raise ValueError(f"max_offload_bytes must be >= 0, got {self.max_offload_bytes}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):

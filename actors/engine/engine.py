@@ -29,6 +29,7 @@ from actors.engine.limits import RequestLimits
 from actors.engine.memory import KVPlan, plan_kv_cache
 from actors.engine.model import CausalLM
 from actors.engine.model_runner import ModelRunner, SeqChunk
+from actors.engine.offload import HostOffload
 from actors.engine.options import RequestOptions
 from actors.engine.output import EngineStats, OutputProcessor, RequestOutput, StepRecord
 from actors.engine.request import Request, RequestStatus
@@ -66,9 +67,11 @@ class Engine:
         self.kv_plan: KVPlan = plan_kv_cache(model, self.cfg, self.max_model_len)
         logger.info("%s", self.kv_plan.describe())
         num_blocks = self.num_blocks = self.kv_plan.num_blocks
-        self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
+                                 self.cfg.tenant_kv_shares)
         self.limits = RequestLimits(model.cfg.vocab_size, self.max_model_len, num_blocks, self.cfg.block_size)
-        self.scheduler = Scheduler(self.cfg, self.kv)
+        offload = HostOffload.for_model(self.cfg.max_offload_bytes, model.cfg, self.cfg.block_size, dtype)
+        self.scheduler = Scheduler(self.cfg, self.kv, offload)
         use_graphs = self.device.type == "cuda" and not self.cfg.enforce_eager and not model.cfg.is_moe
         self.runner = ModelRunner(model, num_blocks, self.cfg.block_size, self.cfg.kv_dtype, pad_block=use_graphs)
         if use_graphs:
@@ -146,6 +149,7 @@ class Engine:
             block_size=self.cfg.block_size,
             extra_keys=options.extra_keys,
             num_shared_prefix_tokens=options.num_shared_prefix_tokens,
+            tenant=options.tenant,
         )
         for t in output_token_ids:
             req.append_token(t)
@@ -209,10 +213,8 @@ class Engine:
         return True
 
     def import_cached_blocks(self, block_hashes: Sequence[BlockHash], kv: torch.Tensor) -> int:
-        """Puts blocks fetched from the prefix-cache pool into this engine's prefix cache: they are
-        written, registered under their chained hashes and left free-but-cached, so the next
-        request with that prefix reuses them. `kv`: [num_layers, 2, n, block_size, Hkv, D].
-        Returns how many were imported (0 when the pool has no room)."""
+        """Writes blocks fetched from the prefix-cache pool (`kv`: [L, 2, n, block_size, Hkv, D]) into
+        this engine's prefix cache, free-but-cached under their hashes; how many (0: no room)."""
         n = len(block_hashes)
         assert kv.shape[2] == n
         if not self.cfg.enable_prefix_caching or n == 0 or not self.kv.pool.can_allocate(n):
@@ -226,12 +228,7 @@ class Engine:
 
     def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of a hash chain this engine holds in its prefix cache."""
-        n = 0
-        for h in block_hashes:
-            if self.kv.pool.get_cached_block(h) is None:
-                break
-            n += 1
-        return n
+        return self.kv.cached_prefix_len(block_hashes)
 
     def held_kv(self, request_id: str) -> tuple[list[int], int]:
         """(block ids, number of tokens with KV) of a finished `hold_kv` request."""
@@ -271,11 +268,11 @@ class Engine:
         return self.finish_step(prepared, self.runner.execute(prepared.chunks))
 
     def prepare_step(self) -> PreparedStep | None:
-        """Schedules one step. Between this and `finish_step` the forward pass runs, and other
-        engine calls (add, abort, reserve, write KV into reserved blocks) may interleave: the
-        step's blocks stay referenced until `finish_step`, and an abort of one of its requests is
-        deferred to it."""
+        """Schedules one step. Between this and `finish_step` the forward runs, and other engine calls
+        (add, abort, reserve, write KV into reserved blocks) may interleave: the step's blocks stay
+        referenced until `finish_step`, and an abort of one of its requests is deferred to it."""
         batch = self.scheduler.schedule()
+        self.scheduler.offload.apply(self.runner)  # before anything writes the blocks it took
         if not batch.requests:
             return None
         chunks = []
@@ -362,7 +359,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ helpers
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Runs prompts to completion; returns one final output each with all tokens and text."""
+        """Runs prompts to completion; one final output each."""
         ids = [f"gen-{self._rng.getrandbits(48):012x}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
             self.add_request(rid, prompt, params)
@@ -389,6 +386,8 @@ class Engine:
             num_prefix_hit_tokens=prefix.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_evictions=pool.num_evictions,
+            num_offloads=self.scheduler.offload.num_offloads,
+            offloaded_bytes=self.scheduler.offload.used_bytes,
             num_steps=self._num_steps,
             num_forwarded_tokens=self._num_forwarded_tokens,
             last_step_s=self._last_step_s,

@@ -4,14 +4,21 @@ A request's blocks are `blocks[req_id]`, in token order; token at position p liv
 `blocks[p // block_size].block_id * block_size + p % block_size`. Prefix reuse: the chained hashes
 of a request's full prompt blocks are looked up in the pool until the first miss; those blocks are
 shared (refcount +1) and their tokens are not computed again.
+
+Tenant ceilings: with `TenantShares`, an allocation that would take the request's tenant past its
+`max` share of the blocks is refused like one the pool cannot hold (`allocate_slots` returns False;
+`over_share` tells the two apart), so the tenant waits for its own blocks instead of taking others'.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from actors.engine.block_hash import BlockHash
 from actors.engine.block_pool import Block, BlockPool
 from actors.engine.request import Request
+from actors.engine.shares import TenantShares
 
 
 @dataclass(frozen=True)
@@ -25,9 +32,11 @@ class PrefixHitStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 shares: TenantShares | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.shares = shares or TenantShares()
+        self.pool = BlockPool(num_blocks, enable_caching, self.shares)
         self.enable_caching = enable_caching
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a request registered in the pool
@@ -58,21 +67,39 @@ class KVCacheManager:
         admission, its cached `computed_blocks`). Returns False, changing nothing, when the pool
         cannot hold them."""
         computed_blocks = computed_blocks or []
-        held = self._blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = max(0, num_needed - len(held) - len(computed_blocks))
+        num_new_blocks, num_revived = self._new_blocks(request, num_new_tokens, computed_blocks)
         # Cached blocks we are about to revive are counted in the free queue: don't count them twice.
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return False
+        if self.over_share(request, num_new_tokens, computed_blocks):
+            return False
+        held = self._blocks.get(request.request_id, [])
         if computed_blocks:
             assert not held, "cached prefix blocks are only taken at first admission"
             self.pool.touch(computed_blocks)
             held = list(computed_blocks)
             self._num_cached[request.request_id] = len(computed_blocks)
-        self._blocks[request.request_id] = held + self.pool.allocate(num_new_blocks)
+        self._blocks[request.request_id] = held + self.pool.allocate(num_new_blocks, request.tenant)
         return True
+
+    def _new_blocks(self, request: Request, num_new_tokens: int, computed_blocks: list[Block]) -> tuple[int, int]:
+        """(blocks to allocate, cached blocks to revive) for `num_new_tokens` more of `request`."""
+        held = self._blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(held) - len(computed_blocks))
+        return num_new_blocks, sum(1 for b in computed_blocks if b.ref_cnt == 0)
+
+    def over_share(self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> bool:
+        """Whether `num_new_tokens` more would take the request's tenant past its `max` share."""
+        if not self.shares.enabled:
+            return False
+        new, revived = self._new_blocks(request, num_new_tokens, computed_blocks or [])
+        used = self.pool.in_use.get(request.tenant, 0)
+        return new + revived > 0 and self.shares.over_limit(request.tenant, used, new + revived, self.pool.num_blocks)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Registers the request's full blocks whose KV is now computed under their hashes."""
@@ -89,6 +116,15 @@ class KVCacheManager:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+
+    def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of a hash chain the pool holds as cached prefixes."""
+        n = 0
+        for h in block_hashes:
+            if self.pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]

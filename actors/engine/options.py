@@ -36,8 +36,11 @@ class RequestOptions:
     # of the step together (a decode worker prefilling prompts between its rows' decode steps).
     # None: whatever the step budget leaves.
     max_chunk_tokens: int | None = None
-    # 0 interactive, 1 batch: waiting requests of a smaller rank are admitted first.
+    # 0 interactive, 1 batch: waiting requests of a smaller rank are admitted first, and a batch
+    # request's KV may be offloaded to host memory to make room for interactive work.
     priority_rank: int = 0
+    # Whose KV this is: the engine's per-tenant block shares (`EngineConfig.tenant_kv_shares`).
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object

@@ -67,6 +67,8 @@ class EngineStats:
     num_steps: int
     num_forwarded_tokens: int
     last_step_s: float
+    num_offloads: int = 0  # preempted batch requests whose KV went to host memory (and came back)
+    offloaded_bytes: int = 0  # host memory their KV takes now
 
     @property
     def num_blocks_used(self) -> int:

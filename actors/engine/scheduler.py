@@ -4,11 +4,16 @@ Each step: running requests go first, in admission order, each taking the tokens
 compute (1 for a decode, a chunk of its prompt for a prefill in progress) out of the budget; the
 prompt chunks of requests with `max_chunk_tokens` share at most that many tokens per step (in steps
 with decode rows to protect; without any, the caps are lifted). When the pool cannot hold a running
-request's next tokens, the most recently admitted running request is preempted (its blocks are
-freed; it goes back to the head of the queue and is recomputed later from prompt + tokens generated
-so far). Waiting requests are admitted after that, interactive before batch (`priority_rank`) and in
-arrival order within a rank, while budget, sequence slots and blocks allow, reusing their cached
-prefix blocks.
+request's next tokens, a running request not yet scheduled this step is preempted: a batch one
+(`priority_rank` >= 1) first, then one of a tenant above its guaranteed KV share, else the most
+recently admitted; a tenant at its KV ceiling preempts its own. A preempted batch request whose KV
+fits the engine's host budget is offloaded (`offload.py`: its KV goes to host memory and comes back
+when it is readmitted, nothing recomputed); any other goes back to the queue and is recomputed
+later from prompt + tokens generated so far. Before that, a waiting interactive request (or one of
+a tenant below its guarantee) that finds no blocks makes room: running batch requests are
+offloaded (and requests of tenants above their guarantee preempted) until it fits. Waiting
+requests are admitted after that, interactive before batch and in arrival order within a rank,
+while budget, sequence slots and blocks allow, reusing their cached prefix blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from actors.engine.config import EngineConfig
 from actors.engine.kv_cache_manager import KVCacheManager
+from actors.engine.offload import HostOffload
 from actors.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -28,7 +34,8 @@ logger = logging.getLogger(__name__)
 class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # to fit running requests' next tokens
+    yielded: list[Request] = field(default_factory=list)  # to make room for a waiting request
 
     @property
     def num_tokens(self) -> int:
@@ -57,23 +64,26 @@ def _take(req: Request, want: int, budget: int, capped: int | None, caps_apply: 
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, offload: HostOffload | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.offload = offload or HostOffload(0, 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         """Queues `request` after every waiting request of its rank or a smaller one."""
+        self._queue(request, ahead=False)
+
+    def _queue(self, request: Request, ahead: bool) -> None:
+        """Into the queue by rank: after its rank's requests, or (`ahead`, a preempted one) before them."""
         rank = request.priority_rank
-        if not self.waiting or self.waiting[-1].priority_rank <= rank:
-            self.waiting.append(request)
-            return
         for i, queued in enumerate(self.waiting):
-            if queued.priority_rank > rank:
+            if queued.priority_rank > rank or (ahead and queued.priority_rank == rank):
                 self.waiting.insert(i, request)
                 return
+        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,7 +95,7 @@ class Scheduler:
         # rows, so a step without any (every running request still prefilling) lifts them.
         caps_apply = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         capped: int | None = None
-        scheduled: set[str] = set()
+        self._make_room(batch, budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -95,7 +105,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
-                victim = self.running[-1]
+                victim = self._victim(req, n, self.running[i:])
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
@@ -103,26 +113,29 @@ class Scheduler:
             else:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(n)
-                scheduled.add(req.request_id)
                 budget -= n
                 capped = capped_after
                 i += 1
-                continue
-            # `req` itself was preempted: everything after it already was too.
-            break
+            # `req` itself was preempted: the next running request now sits at `i`.
 
         # Admitting new work in a step that had to preempt would just thrash the pool.
         if not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-                req = self.waiting[0]
+            j = 0  # requests of a tenant at its KV ceiling stay queued; the ones behind them may go
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                req = self.waiting[j]
                 computed, num_hit = ([], 0)
                 if req.num_computed_tokens == 0:
                     computed, num_hit = self.kv.get_computed_blocks(req)
                 want = req.num_tokens - num_hit - req.num_computed_tokens
                 n, capped_after = _take(req, want, budget, capped, caps_apply)
+                if n > 0 and self.kv.over_share(req, n, computed):
+                    j += 1
+                    continue
                 if n <= 0 or not self.kv.allocate_slots(req, n, computed):
                     break
-                self.waiting.popleft()
+                del self.waiting[j]
+                if self.offload.holds(req.request_id):
+                    self.offload.readmit(req.request_id, self.kv.block_ids(req.request_id))
                 if req.status == RequestStatus.WAITING:
                     req.num_prefix_hit_tokens = num_hit
                 req.num_computed_tokens += num_hit
@@ -134,16 +147,73 @@ class Scheduler:
                 capped = capped_after
         return batch
 
+    def _victim(self, req: Request, n: int, candidates: list[Request]) -> Request:
+        """Whom to preempt so that `req` gets `n` more tokens' blocks, among the running requests
+        not yet scheduled this step (`req` among them): its own tenant's newest when `req` is at
+        its tenant's ceiling; else batch before interactive, tenants above their guarantee before
+        the others, the most recently admitted first."""
+        if self.kv.over_share(req, n):
+            return [r for r in candidates if r.tenant == req.tenant][-1]
+        usage, total = self.kv.pool.in_use, self.kv.pool.num_blocks
+        shares = self.kv.shares
+
+        def key(pair: tuple[int, Request]) -> tuple[int, bool, int]:
+            i, r = pair
+            return r.priority_rank, usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total), i
+
+        return max(enumerate(candidates), key=key)[1]
+
+    def _make_room(self, batch: ScheduledBatch, budget: int) -> None:
+        """Frees blocks for the first waiting request when it has a claim on them: it is
+        interactive and running batch requests can be offloaded, or its tenant is below its
+        guaranteed share and tenants above theirs run. Nothing is taken unless enough can be."""
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return
+        head = self.waiting[0]
+        want = min(head.num_tokens - head.num_computed_tokens, budget)
+        need = self.kv.num_blocks_needed(head.num_computed_tokens + want) - self.kv.num_held_blocks(head.request_id)
+        short = need - self.kv.pool.num_free_blocks
+        if short <= 0 or self.kv.over_share(head, want):
+            return
+        usage, total, shares = self.kv.pool.in_use, self.kv.pool.num_blocks, self.kv.shares
+        below = shares.enabled and usage.get(head.tenant, 0) < shares.guarantee(head.tenant, total)
+
+        def yields(r: Request) -> bool:
+            if r.priority_rank > head.priority_rank and self._can_offload(r):
+                return True
+            return below and r.tenant != head.tenant and usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total)
+
+        victims = [r for r in reversed(self.running) if yields(r)]
+        if sum(self.kv.num_held_blocks(r.request_id) for r in victims) < short:
+            return
+        for victim in victims:
+            if self.kv.pool.num_free_blocks >= need:
+                break
+            self._preempt(victim)
+            batch.yielded.append(victim)
+        self.waiting.remove(head)  # a victim of its rank went ahead of it: the room is the head's
+        self.waiting.appendleft(head)
+
+    def _can_offload(self, req: Request) -> bool:
+        return req.priority_rank >= 1 and req.num_computed_tokens > 0 and self.offload.can_take(
+            self.kv.num_blocks_needed(req.num_computed_tokens))
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        if self._can_offload(req):
+            num_blocks = self.kv.num_blocks_needed(req.num_computed_tokens)
+            self.offload.claim(req.request_id, self.kv.block_ids(req.request_id)[:num_blocks])
+            req.num_offloads += 1
+            logger.debug("offloaded %s (%d blocks to host memory)", req.request_id, num_blocks)
+        else:
+            req.num_computed_tokens = 0
+            req.stepwise_from = None  # recomputed whole: nothing left to replay bit for bit
+            logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
         self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.stepwise_from = None  # recomputed whole: nothing left to replay bit for bit
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        self._queue(req, ahead=True)
         self.num_preemptions += 1
-        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
     def add_running(self, req: Request) -> None:
         """A request whose KV is already in the pool (handed over by another engine)."""
@@ -159,4 +229,5 @@ class Scheduler:
             self.waiting.remove(req)
         if free_kv:
             self.kv.free(req)
+        self.offload.drop(req.request_id)
         req.status = status
