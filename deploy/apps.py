@@ -97,7 +97,7 @@ class FerryIngress:
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
         self.tokenizer = Tokenizer.load(path)
         resources = cfg.worker_resources(cluster_gpus())
-        worker_cfg = cfg.to_worker_config(resources, **self.scheduler_cfg.kv_compression())  # type: ignore[arg-type]
+        worker_cfg = cfg.to_worker_config(resources, **self.scheduler_cfg.worker_policies())  # type: ignore[arg-type]
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)
         self._deployment: PDDeployment | None = None
         if cfg.mode == "disaggregated" and self.scheduler_cfg.enabled:
@@ -284,7 +284,7 @@ async def set_replicas(app: str, deployment: str, n: int) -> None:
 def worker_apps(cfg: AppConfig, scheduler: SchedulerSection | None = None) -> dict[str, Application]:
     """The worker deployments of `workers_as: deployments`, bound: decode (or colocated) and prefill."""
     resources = cfg.worker_resources(cluster_gpus() if ray.is_initialized() else 0.0)
-    worker_cfg = cfg.to_worker_config(resources, **(scheduler or SchedulerSection()).kv_compression())  # type: ignore[arg-type]
+    worker_cfg = cfg.to_worker_config(resources, **(scheduler or SchedulerSection()).worker_policies())  # type: ignore[arg-type]
     threads = cfg.engine.torch_threads or default_torch_threads(cfg)
     options = resources.actor_options()
     store_ids = ([f"{STORE_PREFIX}-{i}" for i in range(cfg.prefix_cache.num_stores)]

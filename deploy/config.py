@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.engine.config import EngineConfig
+from actors.engine.shares import TenantShares
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.worker_config import WorkerConfig, WorkerResources, plan_worker_resources
 from cluster.router.config import RouterConfig
@@ -70,6 +71,10 @@ class EngineSection(ConfigSection):
     torch_threads: int | None = Field(
         None, gt=0, description="threads each worker's kernels use; default: all of this node's CPUs "
                                 "(cpu_cores shared), or an equal split of them among the app's engines (split)")
+    max_offload_mib: int = Field(
+        1024, ge=0, description="host memory per worker for the KV of preempted batch-class requests: they "
+                                "resume from it, nothing recomputed, when interactive work needed their "
+                                "blocks; 0 turns offload off (they are recomputed)")
 
 
 class TransferSection(ConfigSection):
@@ -142,7 +147,8 @@ class AppConfig(ConfigSection):
                                      num_gpus_per_worker=self.engine.num_gpus_per_worker,
                                      share_cores=self.engine.cpu_cores == "shared")
 
-    def to_engine_config(self, resources: WorkerResources | None = None) -> EngineConfig:
+    def to_engine_config(self, resources: WorkerResources | None = None,
+                         tenant_kv_shares: TenantShares | None = None) -> EngineConfig:
         """The engine of each worker. With `resources` (`worker_resources`) its device is the one Ray
         grants and a planned KV pool takes the worker's part of it: on a GPU the fraction it holds,
         on CPU an equal split of the host among the app's engines (as `torch_threads` is). Without,
@@ -157,19 +163,22 @@ class AppConfig(ConfigSection):
             enforce_eager=e.enforce_eager, max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
             kv_cache_dtype=e.kv_cache_dtype, enable_prefix_caching=e.enable_prefix_caching,
-            prepack_weights=e.prepack_weights,
+            prepack_weights=e.prepack_weights, max_offload_bytes=e.max_offload_mib * MIB,
+            tenant_kv_shares=tenant_kv_shares or TenantShares(),
         )
         return engine if resources is None else resources.place(engine)
 
     def to_worker_config(self, resources: WorkerResources | None = None,
                          tenant_compression: Mapping[str, str] | None = None,
-                         default_tenant_compression: str = "auto") -> WorkerConfig:
+                         default_tenant_compression: str = "auto",
+                         tenant_kv_shares: TenantShares | None = None) -> WorkerConfig:
         """`tenant_compression` / `default_tenant_compression`: the tenants' KV compression
-        policies (the scheduler section's `kv_compression()`)."""
+        policies (the scheduler section's `kv_compression()`); `tenant_kv_shares` their shares of
+        the engine's KV blocks (its `kv_shares()`)."""
         t = self.transfer
         staging = t.staging_mib * MIB
         return WorkerConfig(
-            model=self.model, engine=self.to_engine_config(resources),
+            model=self.model, engine=self.to_engine_config(resources, tenant_kv_shares),
             transfer=TransferConfig(kind=t.kind, send_staging_bytes=staging, recv_staging_bytes=staging,
                                     ucx_net_devices=t.ucx_net_devices),
             compression=t.compression, tenant_compression=tuple(sorted((tenant_compression or {}).items())),

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from actors.engine.shares import TenantShare, TenantShares
 from cluster.admission import AdmissionConfig
 from cluster.config import SchedulerConfig
 from cluster.descriptors import TenantId
@@ -49,6 +50,23 @@ class TenantSection(ConfigSection):
         "auto", description="the KV handed from prefill to decode: auto, the transfer's codec is the one predicted "
                             "fastest (transfer.compression decides when that is not auto); none, exact KV "
                             "required; int8 / fp8, always that codec (see README for their token agreement)")
+
+    kv_share_guaranteed: float = Field(
+        0.0, ge=0, le=1, description="part of every engine's KV blocks and of each prefix-pool tier that other "
+                                     "tenants cannot take from this one while it uses no more: eviction and "
+                                     "preemption take from tenants above their guarantee first")
+    kv_share_max: float = Field(
+        1.0, gt=0, le=1, description="the most of every engine's KV blocks (and of each pool tier) this tenant may "
+                                     "hold; at it, its requests wait for its own blocks instead of evicting others'")
+
+    @model_validator(mode="after")
+    def _check_share(self) -> "TenantSection":
+        if self.kv_share_guaranteed > self.kv_share_max:
+            raise ValueError("kv_share_guaranteed is above kv_share_max")
+        return self
+
+    def kv_share(self) -> TenantShare:
+        return TenantShare(self.kv_share_guaranteed, self.kv_share_max)
 
     def to_tenant_config(self, name: str) -> TenantConfig:
         slo = (InteractiveSlo(self.ttft_ms, self.tpot_ms) if self.slo_class == "interactive"
@@ -103,7 +121,14 @@ class SchedulerSection(ConfigSection):
         for name in self.tenants:
             if not name:
                 raise ValueError("tenants: a tenant name is empty")
+        self.kv_shares()  # the guarantees must fit in one store
         return self
+
+    def kv_shares(self) -> TenantShares:
+        """Each tenant's share of the engines' KV blocks and of the prefix-pool tiers; tenants not
+        listed share the default tenant's (no guarantee, no ceiling when it is refused anyway)."""
+        default = TenantShare() if self.default_tenant is None else self.default_tenant.kv_share()
+        return TenantShares.of_mapping({n: t.kv_share() for n, t in self.tenants.items()}, default)
 
     def to_scheduler_config(self, max_num_seqs: int | None = None) -> SchedulerConfig:
         """`max_num_seqs`: the decode engines' row limit (the scheduler's own default otherwise)."""
@@ -129,6 +154,11 @@ class SchedulerSection(ConfigSection):
         default = self.default_tenant is not None and self.default_tenant.kv_recovery == "shadow"
         others = frozenset(n for n, t in self.tenants.items() if (t.kv_recovery == "shadow") != default)
         return {"shadow_kv": default, "shadow_exceptions": others}
+
+    def worker_policies(self) -> dict[str, object]:
+        """What workers apply per tenant, as `AppConfig.to_worker_config`'s keywords: the tenants'
+        KV compression and their shares of the engines' KV blocks."""
+        return {**self.kv_compression(), "tenant_kv_shares": self.kv_shares()}
 
     def kv_compression(self) -> dict[str, object]:
         """The prefill workers' `tenant_compression` (listed tenants) and `default_tenant_compression`
