@@ -1,40 +1,55 @@
 """One prefix-cache store: KV blocks keyed by chained block hash, in DRAM spilling to local disk.
 
-Mental model: two exclusive LRU tiers. A block lives in exactly one of them. `put` places new
-blocks in DRAM as most recently used; DRAM evicts its least recently used blocks to disk (in
-eviction order, so the disk LRU continues the DRAM LRU), and disk evicts by deleting files. A
-`get` that hits disk promotes the block back to DRAM (which may spill others). Payloads are opaque
-bytes (one KV block across all layers, made by the transfer codec); the store never reads them.
+Mental model: two exclusive tiers; a block lives in exactly one of them, ranked by its value key
+(`value.py`: decayed use count, recency, depth in its chain, shadow or not; plain recency in
+"lru" mode). Admission: a new block enters DRAM if it fits or is worth more than what it would
+displace, else it goes to disk on the same terms, else it is refused. Blocks displaced from DRAM
+spill to disk (admitted there the same way), and disk deletes what it displaces. A lookup that
+hits disk promotes the block to DRAM when it is now worth it. `prefetch` promotes the leading
+disk blocks of a chain a queued request will read, so its lookup finds them in DRAM; a prefetch
+counts as the use the request will make, so the read that follows adds none.
 
-Queries do not disturb the LRU: `match_prefix` and `contains` only look at the indexes, so the
-router and the pool may probe freely; only `put` (re-touching an existing key) and `get` count as
-use. A consequence: a disk block that `match_prefix` counted may still turn out corrupt at `get`
-time, so callers use the number of payloads `get_prefix` returned, not the earlier match.
+Tenants: every put says whose blocks they are (tenants also get different hashes: a cache salt
+in `extra_keys`). With `tenant_shares` on, each tier's bytes are shared as `TenantShares` says:
+room is taken first from the tenants furthest above their guarantee, a tenant at its maximum in
+a tier only displaces its own blocks (or is refused there), and no tenant's guaranteed part is
+taken by another. Off (the default), value alone decides.
 
-Tenant isolation is not done here: tenants get different hashes (a cache salt in `extra_keys`).
+Queries do not count as use: `match_prefix` and `contains` only look at the indexes, so the
+router and the pool may probe freely; only `put` (of a present key), `get` and `prefetch` do. A
+disk block that `match_prefix` counted may still turn out corrupt at `get` time, so callers use
+the number of payloads `get_prefix` returned, not the earlier match.
 
 The store is not thread-safe; as a Ray actor it runs one method at a time. Everything its methods
-take and return is ints, bytes, lists and dicts, so the same object works behind a Ray handle.
+take and return is str, ints, bytes, lists and dicts, so the same object works behind a Ray handle.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 from actors.engine.block_hash import BlockHash
 from actors.engine.fetch import ferry_home
+from actors.engine.shares import TenantShares
 from actors.prefix_cache.stats import PrefixCacheStats
 from actors.prefix_cache.tiers import DiskTier, DramTier
+from actors.prefix_cache.value import BlockMeta, EvictionReason, Tier, TierIndex, ValueClock, block_weight
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
+DEFAULT_TENANT = "default"
 _STORE_ID = re.compile(r"[A-Za-z0-9_.-]+")
+# Stats the tiers keep themselves, or that describe the store now; the rest the store counts.
+_FROM_TIERS = {"num_corrupt", "num_disk_write_errors", "num_dram_blocks", "num_disk_blocks", "dram_bytes", "disk_bytes"}
+_COUNTERS = tuple(f.name for f in fields(PrefixCacheStats) if f.name not in _FROM_TIERS)
 
 
 @dataclass(frozen=True)
@@ -43,12 +58,24 @@ class PrefixCacheConfig:
     disk_bytes: int = 1 * GiB
     disk_dir: str | None = None  # root of every store's folder; None -> $FERRY_HOME/prefix_cache
     enable_disk: bool = True
+    eviction: Literal["value", "lru"] = "value"  # "lru": plain recency, the baseline
+    half_life_bytes: int | None = None  # traffic that halves a block's use count; None: dram_bytes
+    depth_scale_blocks: float = 32.0  # a block this deep in its chain weighs half a first block
+    shadow_weight: float = 0.125  # a KV shadow's weight: a request's private blocks, rarely read
+    tenant_shares: TenantShares = field(default_factory=TenantShares)  # of each tier's bytes
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
             raise ValueError(f"dram_bytes must be positive, got {self.dram_bytes}")
         if self.enable_disk and self.disk_bytes <= 0:
             raise ValueError(f"disk_bytes must be positive when the disk tier is on, got {self.disk_bytes}")
+        if self.eviction not in ("value", "lru"):
+            raise ValueError(f"eviction is 'value' or 'lru', got {self.eviction!r}")
+        if self.half_life_bytes is not None and self.half_life_bytes <= 0:
+            raise ValueError(f"half_life_bytes must be positive, got {self.half_life_bytes}")
+        if self.depth_scale_blocks <= 0 or not 0 < self.shadow_weight <= 1:
+            raise ValueError(f"need depth_scale_blocks > 0 and 0 < shadow_weight <= 1, got "
+                             f"{self.depth_scale_blocks}, {self.shadow_weight}")
 
     def store_dir(self, store_id: str) -> Path:
         root = Path(self.disk_dir).expanduser() if self.disk_dir else ferry_home() / "prefix_cache"
@@ -66,47 +93,67 @@ class PrefixCacheStore:
     def __init__(self, cfg: PrefixCacheConfig | None = None, store_id: str = "default") -> None:
         if not _STORE_ID.fullmatch(store_id) or store_id in (".", ".."):
             raise ValueError(f"store id {store_id!r} must be letters, digits, '_', '.' or '-'")
-        self.cfg = cfg or PrefixCacheConfig()
+        self.cfg = cfg = cfg or PrefixCacheConfig()
         self.store_id = store_id
-        self._dram = DramTier(self.cfg.dram_bytes)
+        self._shares = cfg.tenant_shares if cfg.eviction == "value" else TenantShares()
+        self._clock = ValueClock(cfg.eviction, cfg.half_life_bytes or cfg.dram_bytes)
+        self._metas: dict[BlockHash, BlockMeta] = {}  # every block, whichever tier holds it
+        self._dram = DramTier(cfg.dram_bytes)
+        self._index: dict[Tier, TierIndex] = {"dram": TierIndex("dram", cfg.dram_bytes, self._metas)}
         # On start the store's own folder is emptied (see DiskTier): a lock file makes sure no
         # live store shares it, so only a dead store's leftovers are deleted.
         self._disk: DiskTier | None = None
-        if self.cfg.enable_disk:
-            self._disk = DiskTier(self.cfg.store_dir(store_id), self.cfg.disk_bytes)
-        self._num_puts = 0
-        self._num_put_refused = 0
-        self._num_hits_dram = 0
-        self._num_hits_disk = 0
-        self._num_misses = 0
+        if cfg.enable_disk:
+            self._disk = DiskTier(cfg.store_dir(store_id), cfg.disk_bytes)
+            self._index["disk"] = TierIndex("disk", cfg.disk_bytes, self._metas)
+        self._n: Counter[str] = Counter()  # PrefixCacheStats counters by field name
 
     # --- commands -------------------------------------------------------------------------
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]]) -> int:
-        """Stores new blocks in DRAM; returns how many were new. A key already present in either
-        tier is only marked recently used (same hash = same prefix = same KV). A block larger than
-        the DRAM bound is refused: every stored block must be able to come back into DRAM."""
-        stored = 0
-        for block_hash, payload in blocks:
-            block_hash = check_block_hash(block_hash)
+    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], tenant: str = DEFAULT_TENANT,
+            depths: Sequence[int] | None = None, shadow: bool = False) -> int:
+        """Stores new blocks of `tenant` (`depths`: each block's position in its chain, default
+        0, 1, ...; `shadow`: a request's private KV shadows); returns how many were stored. A key
+        already present only counts as a use (same hash = same prefix = same KV). A block larger
+        than the DRAM bound is refused: every stored block must be able to come back into DRAM."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"a tenant is a non-empty string, got {tenant!r}")
+        checked = []
+        for i, (block_hash, payload) in enumerate(blocks):
             if not isinstance(payload, (bytes, bytearray, memoryview)):
                 raise TypeError(f"a payload is bytes, got {type(payload).__name__}")
-            if block_hash in self._dram:
-                self._dram.touch(block_hash)
-            elif self._disk is not None and block_hash in self._disk:
-                self._disk.touch(block_hash)
-            elif len(payload) > self.cfg.dram_bytes:
-                self._num_put_refused += 1
+            depth = i if depths is None else int(depths[i])
+            checked.append((check_block_hash(block_hash), payload, depth))
+        stored = moved = 0
+        for h, payload, depth in checked:
+            meta = self._metas.get(h)
+            if meta is not None:
+                self._use(h, meta)
+                moved += meta.size
+                continue
+            if len(payload) > self.cfg.dram_bytes:
+                self._n["num_put_refused"] += 1
                 logger.debug("refused a %d-byte block: DRAM holds %d", len(payload), self.cfg.dram_bytes)
-            else:
-                self._insert_dram(block_hash, bytes(payload))  # bytes(): an immutable copy we own
-                stored += 1
-        self._num_puts += stored
+                continue
+            weight = block_weight(depth, shadow, self.cfg.depth_scale_blocks, self.cfg.shadow_weight)
+            meta = BlockMeta(tenant, len(payload), weight, 0.0, self._clock.now, "dram")
+            self._clock.use(meta, 1.0)
+            tier = self._place_new(h, meta, bytes(payload))  # bytes(): an immutable copy we own
+            if tier is None:
+                self._n["num_put_refused"] += 1
+                continue
+            self._n[f"bytes_put_{tier}"] += meta.size
+            stored += 1
+            moved += meta.size
+        self._n["num_puts"] += stored
+        self._clock.advance(moved)
         return stored
 
     def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
-        """Payload per hash (None for a miss); each hit becomes most recently used in DRAM."""
-        return [self._lookup(check_block_hash(h)) for h in hashes]
+        """Payload per hash (None for a miss); each hit counts as a use."""
+        out = [self._lookup(check_block_hash(h)) for h in hashes]
+        self._clock.advance(sum(len(p) for p in out if p is not None))
+        return out
 
     def get_prefix(self, hashes: Sequence[BlockHash]) -> list[bytes]:
         """Payloads of the leading hits, stopping at the first miss (nothing after it is touched)."""
@@ -116,48 +163,170 @@ class PrefixCacheStore:
             if payload is None:
                 break
             out.append(payload)
+        self._clock.advance(sum(len(p) for p in out))
         return out
+
+    def prefetch(self, hashes: Sequence[BlockHash]) -> int:
+        """Promotes the leading run of `hashes` that is on disk to DRAM, for a request that will
+        read it soon; stops at the first block missing or corrupt. Returns how many moved up
+        (a block DRAM would not admit stays on disk)."""
+        promoted = moved = 0
+        for h in map(check_block_hash, hashes):
+            meta = self._metas.get(h)
+            if meta is None:
+                break
+            if meta.tier == "dram" or meta.prefetched:
+                continue
+            assert self._disk is not None
+            payload = self._disk.read(h)
+            if payload is None:
+                self._forget_corrupt(h, meta)
+                break
+            self._use(h, meta)  # the queued request's read, counted now
+            if self._promote(h, meta, payload):
+                meta.prefetched = True
+                self._n["num_prefetched"] += 1
+                promoted += 1
+                moved += meta.size
+        self._clock.advance(moved)
+        return promoted
 
     def remove(self, hashes: Iterable[BlockHash]) -> int:
         removed = 0
         for h in hashes:
             h = check_block_hash(h)
-            if self._dram.pop(h) is not None or (self._disk is not None and self._disk.pop(h)):
+            meta = self._metas.get(h)
+            if meta is not None:
+                self._take_out(h, meta)
+                del self._metas[h]
                 removed += 1
         return removed
 
     def clear(self) -> None:
-        self._dram.clear()
+        self._reset()
         if self._disk is not None:
             self._disk.clear()
 
     def close(self) -> None:
         """Drops every block and frees the disk folder for a later store with this id."""
-        self._dram.clear()
+        self._reset()
         if self._disk is not None:
             self._disk.close()
 
+    def _reset(self) -> None:
+        self._dram.clear()
+        self._metas.clear()
+        self._index = {t: TierIndex(t, i.capacity_bytes, self._metas) for t, i in self._index.items()}
+
+    # --- moving blocks between tiers ---------------------------------------------------------
+
+    def _use(self, h: BlockHash, meta: BlockMeta) -> None:
+        self._clock.use(meta, 1.0)
+        self._index[meta.tier].rekeyed(h, meta)
+
     def _lookup(self, h: BlockHash) -> bytes | None:
-        payload = self._dram.get(h)
-        if payload is not None:
-            self._num_hits_dram += 1
-            return payload
-        if self._disk is not None and h in self._disk:
-            payload = self._disk.read(h)
-            if payload is not None:
-                self._num_hits_disk += 1
-                self._disk.pop(h)  # free its disk bytes before DRAM spills into the disk tier
-                self._insert_dram(h, payload)
-                return payload
-        self._num_misses += 1
+        meta = self._metas.get(h)
+        if meta is None:
+            self._n["num_misses"] += 1
+            return None
+        if meta.prefetched:  # its use was counted by the prefetch
+            meta.prefetched = False
+            self._n["num_prefetch_used"] += 1
+        else:
+            self._use(h, meta)
+        if meta.tier == "dram":
+            self._n["num_hits_dram"] += 1
+            self._n["bytes_served_dram"] += meta.size
+            return self._dram.get(h)
+        assert self._disk is not None
+        payload = self._disk.read(h)
+        if payload is None:
+            self._forget_corrupt(h, meta)
+            self._n["num_misses"] += 1
+            return None
+        self._n["num_hits_disk"] += 1
+        self._n["bytes_served_disk"] += meta.size
+        self._promote(h, meta, payload)
+        return payload
+
+    def _place_new(self, h: BlockHash, meta: BlockMeta, payload: bytes) -> str | None:
+        """Puts a new block in DRAM, else on disk; the tier that took it, or None."""
+        self._metas[h] = meta
+        for tier in ("dram", "disk"):
+            if self._admit(tier, h, meta, payload):
+                return tier
+        del self._metas[h]
         return None
 
-    def _insert_dram(self, h: BlockHash, payload: bytes) -> None:
-        for old_hash, old_payload in self._dram.insert(h, payload):
-            if self._disk is not None:
-                self._disk.insert(old_hash, old_payload)
+    def _promote(self, h: BlockHash, meta: BlockMeta, payload: bytes) -> bool:
+        """Moves a disk block to DRAM if DRAM admits it; else it stays on disk."""
+        assert meta.tier == "disk"
+        victims = self._index["dram"].plan_room(meta.tenant, meta.size, (meta.key, meta.seq), self._shares)
+        if victims is None:
+            self._n["num_dram_refused"] += 1
+            return False
+        self._take_out(h, meta)  # frees its disk bytes before DRAM spills into the disk tier
+        self._enter("dram", h, meta, payload, victims)
+        self._n["bytes_promoted"] += meta.size
+        return True
 
-    # --- queries (never change the LRU order) -----------------------------------------------
+    def _admit(self, tier: Tier, h: BlockHash, meta: BlockMeta, payload: bytes) -> bool:
+        """Stores a block that is indexed but in no tier into `tier`, displacing what it must;
+        False: refused, or the disk write failed (the caller decides its fate)."""
+        index = self._index.get(tier)
+        if index is None:  # no disk tier
+            return False
+        victims = index.plan_room(meta.tenant, meta.size, (meta.key, meta.seq), self._shares)
+        if victims is None:
+            self._n[f"num_{tier}_refused"] += 1
+            return False
+        return self._enter(tier, h, meta, payload, victims)
+
+    def _enter(self, tier: Tier, h: BlockHash, meta: BlockMeta, payload: bytes,
+               victims: list[tuple[BlockHash, EvictionReason]]) -> bool:
+        self._evict(tier, victims)
+        if tier == "disk":
+            assert self._disk is not None
+            if not self._disk.insert(h, payload):  # a failing disk loses this block only
+                return False
+        else:
+            self._dram.insert(h, payload)
+        meta.tier = tier
+        self._clock.rekey(meta)  # a new sequence number: heap entries from its last stay here go stale
+        self._index[tier].add(h, meta)
+        return True
+
+    def _evict(self, tier: Tier, victims: list[tuple[BlockHash, EvictionReason]]) -> None:
+        for victim, reason in victims:
+            meta = self._metas[victim]
+            payload = self._take_out(victim, meta)
+            self._n[f"num_{tier}_evictions"] += 1
+            if reason != "value":
+                self._n[f"num_{tier}_evictions_{reason}"] += 1
+            if payload is not None and self._admit("disk", victim, meta, payload):
+                self._n["bytes_spilled"] += meta.size
+                continue
+            del self._metas[victim]
+
+    def _take_out(self, h: BlockHash, meta: BlockMeta) -> bytes | None:
+        """Removes a block from its tier (returns the payload if it was in DRAM); `meta` stays
+        indexed, in no tier, until the caller places or forgets it."""
+        self._index[meta.tier].discard(meta)
+        if meta.tier == "disk":
+            assert self._disk is not None
+            self._disk.pop(h)
+            return None
+        if meta.prefetched:
+            meta.prefetched = False
+            self._n["num_prefetch_wasted"] += 1
+        return self._dram.pop(h)
+
+    def _forget_corrupt(self, h: BlockHash, meta: BlockMeta) -> None:
+        """A disk block whose file failed its checks (the disk tier already dropped it)."""
+        self._index["disk"].discard(meta)
+        del self._metas[h]
+
+    # --- queries (never count as use) -------------------------------------------------------
 
     def match_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """Number of leading hashes present in any tier."""
@@ -169,35 +338,35 @@ class PrefixCacheStore:
         return n
 
     def contains(self, block_hash: BlockHash) -> bool:
-        h = check_block_hash(block_hash)
-        return h in self._dram or (self._disk is not None and h in self._disk)
+        return check_block_hash(block_hash) in self._metas
 
-    def dram_lru_order(self) -> list[BlockHash]:
-        return self._dram.lru_order()
+    def dram_eviction_order(self) -> list[BlockHash]:
+        """DRAM's blocks, the first to leave first (least valuable; least recent in "lru" mode)."""
+        return self._index["dram"].order()
 
-    def disk_lru_order(self) -> list[BlockHash]:
-        return self._disk.lru_order() if self._disk is not None else []
+    def disk_eviction_order(self) -> list[BlockHash]:
+        return self._index["disk"].order() if "disk" in self._index else []
 
     def disk_path(self, block_hash: BlockHash) -> Path | None:
         """Where a disk-tier block's file lives (None without a disk tier)."""
         return self._disk.path_of(check_block_hash(block_hash)) if self._disk is not None else None
 
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Payload bytes each tenant holds per tier: {tenant: {"dram_bytes", "disk_bytes"}}."""
+        tenants = {t for index in self._index.values() for t in index.usage}
+        return {t: {f"{tier}_bytes": self._index[tier].usage.get(t, 0) if tier in self._index else 0
+                    for tier in ("dram", "disk")} for t in sorted(tenants)}
+
     def stats(self) -> PrefixCacheStats:
-        dram, disk = self._dram, self._disk
+        disk = self._disk
         return PrefixCacheStats(
-            num_puts=self._num_puts,
-            num_put_refused=self._num_put_refused,
-            num_hits_dram=self._num_hits_dram,
-            num_hits_disk=self._num_hits_disk,
-            num_misses=self._num_misses,
-            num_dram_evictions=dram.num_evictions,
-            # `is None`, not truthiness: an empty tier has len() 0 but still counts.
-            num_disk_evictions=0 if disk is None else disk.num_evictions,
+            **{name: self._n[name] for name in _COUNTERS},
             num_corrupt=0 if disk is None else disk.num_corrupt,
             num_disk_write_errors=0 if disk is None else disk.num_write_errors,
-            num_dram_blocks=len(dram),
+            num_dram_blocks=len(self._dram),
+            # `is None`, not truthiness: an empty tier has len() 0 but still counts.
             num_disk_blocks=0 if disk is None else len(disk),
-            dram_bytes=dram.used_bytes,
+            dram_bytes=self._dram.used_bytes,
             disk_bytes=0 if disk is None else disk.used_bytes,
         )
 
@@ -207,6 +376,14 @@ class PrefixCacheStore:
 
     def check_integrity(self) -> None:
         self._dram.check_integrity()
+        for index in self._index.values():
+            index.check_integrity()
+        assert len(self._dram) == len(self._index["dram"]), "DRAM payloads differ from its index"
+        assert all(h in self._dram for h, m in self._metas.items() if m.tier == "dram"), "DRAM index"
+        assert all(not m.prefetched or m.tier == "dram" for m in self._metas.values()), "prefetched off DRAM"
         if self._disk is not None:
             self._disk.check_integrity()
-            assert not set(self._dram.lru_order()) & set(self._disk.lru_order()), "tiers overlap"
+            assert self._disk.used_bytes == self._index["disk"].used_bytes, "disk index bytes"
+            assert all(h in self._disk for h, m in self._metas.items() if m.tier == "disk"), "disk index"
+        else:
+            assert all(m.tier == "dram" for m in self._metas.values()), "a block on a disk tier that is off"

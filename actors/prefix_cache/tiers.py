@@ -1,9 +1,10 @@
-"""The two storage tiers of a prefix-cache store: DRAM and local disk, each a bounded LRU.
+"""The two storage tiers of a prefix-cache store: DRAM and local disk, each bounded in bytes.
 
-Mental model: each tier is an `OrderedDict` in eviction order (least recently used first) plus a
-running byte count. "Bytes" always means *payload* bytes, in both tiers, so a block moving from
-one tier to the other moves exactly its size; the disk tier's 48-byte file header is not counted.
-The tiers know nothing of each other: the store decides what spills and what is promoted.
+Mental model: each tier is a dict of payloads (DRAM) or payload sizes (disk) plus a running byte
+count, and nothing more: which block enters, which leaves and where it goes is the store's
+decision (`value.py` ranks them); a tier only refuses to be overfilled. "Bytes" always means
+*payload* bytes, in both tiers, so a block moving from one tier to the other moves exactly its
+size; the disk tier's 48-byte file header is not counted.
 
 Disk layout: one file per block, `<32 hex digits of the hash>.blk`, holding a fixed header
 (magic, version, the key, the payload length, a blake2b-128 checksum of the payload) followed by
@@ -20,7 +21,6 @@ import hashlib
 import logging
 import os
 import struct
-from collections import OrderedDict
 from pathlib import Path
 from typing import IO
 
@@ -52,8 +52,7 @@ class DramTier:
         assert capacity_bytes > 0
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self.num_evictions = 0
-        self._blocks: OrderedDict[BlockHash, bytes] = OrderedDict()  # LRU first
+        self._blocks: dict[BlockHash, bytes] = {}
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._blocks
@@ -61,32 +60,14 @@ class DramTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lru_order(self) -> list[BlockHash]:
-        return list(self._blocks)
+    def get(self, block_hash: BlockHash) -> bytes:
+        return self._blocks[block_hash]
 
-    def get(self, block_hash: BlockHash) -> bytes | None:
-        """The payload, marked most recently used; None when absent."""
-        payload = self._blocks.get(block_hash)
-        if payload is not None:
-            self._blocks.move_to_end(block_hash)
-        return payload
-
-    def touch(self, block_hash: BlockHash) -> None:
-        self._blocks.move_to_end(block_hash)
-
-    def insert(self, block_hash: BlockHash, payload: bytes) -> list[tuple[BlockHash, bytes]]:
-        """Adds a new block as most recently used; returns the blocks evicted to make room,
-        least recently used first (the order the caller should spill them in)."""
-        assert block_hash not in self._blocks and len(payload) <= self.capacity_bytes
-        evicted = []
-        while self.used_bytes + len(payload) > self.capacity_bytes:
-            old_hash, old_payload = self._blocks.popitem(last=False)
-            self.used_bytes -= len(old_payload)
-            self.num_evictions += 1
-            evicted.append((old_hash, old_payload))
+    def insert(self, block_hash: BlockHash, payload: bytes) -> None:
+        """Adds a new block; the caller made room first."""
+        assert block_hash not in self._blocks and self.used_bytes + len(payload) <= self.capacity_bytes
         self._blocks[block_hash] = payload
         self.used_bytes += len(payload)
-        return evicted
 
     def pop(self, block_hash: BlockHash) -> bytes | None:
         payload = self._blocks.pop(block_hash, None)
@@ -112,10 +93,9 @@ class DiskTier:
         self.directory = directory
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self.num_evictions = 0
         self.num_corrupt = 0
         self.num_write_errors = 0
-        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> payload bytes, LRU first
+        self._index: dict[BlockHash, int] = {}  # hash -> payload bytes
         directory.mkdir(parents=True, exist_ok=True)
         self._lock: IO[str] | None = self._take_lock()
         # Leftovers belong to a dead store with this id (the lock proves none is alive). Its
@@ -148,25 +128,12 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._index)
 
-    def lru_order(self) -> list[BlockHash]:
-        return list(self._index)
-
     def path_of(self, block_hash: BlockHash) -> Path:
         return self.directory / f"{block_hash:032x}{BLOCK_SUFFIX}"
 
-    def touch(self, block_hash: BlockHash) -> None:
-        self._index.move_to_end(block_hash)
-
     def insert(self, block_hash: BlockHash, payload: bytes) -> bool:
-        """Writes a new block as most recently used, deleting LRU files to make room. False when
-        the block cannot be kept (larger than the tier, or the write failed)."""
-        assert block_hash not in self._index
-        if len(payload) > self.capacity_bytes:
-            return False
-        while self.used_bytes + len(payload) > self.capacity_bytes:
-            old_hash, _ = next(iter(self._index.items()))
-            self.pop(old_hash)
-            self.num_evictions += 1
+        """Writes a new block (the caller made room first); False when the write failed."""
+        assert block_hash not in self._index and self.used_bytes + len(payload) <= self.capacity_bytes
         path = self.path_of(block_hash)
         tmp = path.with_suffix(TMP_SUFFIX)
         key = block_hash.to_bytes(HASH_BYTES, "little")
@@ -187,8 +154,8 @@ class DiskTier:
         return True
 
     def read(self, block_hash: BlockHash) -> bytes | None:
-        """The verified payload, without changing the LRU order (the caller promotes it). A
-        missing, torn or corrupt file is deleted, dropped from the index and returns None."""
+        """The verified payload (the block stays; the caller decides where it goes). A missing,
+        torn or corrupt file is deleted, dropped from the index and returns None."""
         assert block_hash in self._index
         path = self.path_of(block_hash)
         try:

@@ -1,4 +1,5 @@
-"""One store: exact LRU order across DRAM and disk, promotion, bounds, corruption, stats."""
+"""One store in "lru" mode (the baseline): exact order across DRAM and disk, promotion, bounds,
+corruption, stats. Value order, admission, shares and prefetch: test_value.py."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def check(store: PrefixCacheStore) -> None:
 @pytest.fixture
 def store(tmp_path: Path) -> PrefixCacheStore:
     # DRAM holds 2 blocks of 40 bytes, disk holds 3.
-    s = PrefixCacheStore(PrefixCacheConfig(dram_bytes=100, disk_bytes=120, disk_dir=str(tmp_path)), "s0")
+    s = PrefixCacheStore(PrefixCacheConfig(dram_bytes=100, disk_bytes=120, disk_dir=str(tmp_path), eviction="lru"), "s0")
     yield s
     s.close()
 
@@ -39,36 +40,37 @@ def test_lru_order_spill_promotion_and_exact_stats(store: PrefixCacheStore) -> N
     check(store)
     assert store.put([(H(3), payload(3))]) == 1  # DRAM full: 1 spills
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([2, 3], [1])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([2, 3], [1])
     assert store.get([H(2)]) == [payload(2)]  # 2 becomes most recent
-    assert store.dram_lru_order() == [3, 2]
+    assert store.dram_eviction_order() == [3, 2]
     store.put([(H(4), payload(4))])
     check(store)
     store.put([(H(5), payload(5))])
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([4, 5], [1, 3, 2])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([4, 5], [1, 3, 2])
     store.put([(H(6), payload(6))])  # 4 spills, and the disk deletes its oldest: 1
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([5, 6], [3, 2, 4])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([5, 6], [3, 2, 4])
     assert not store.disk_path(H(1)).exists() and store.disk_path(H(3)).exists()
 
     assert store.get([H(3)]) == [payload(3)]  # disk hit: promoted, 5 spills to make room
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([6, 3], [2, 4, 5])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([6, 3], [2, 4, 5])
     assert not store.disk_path(H(3)).exists()
     assert store.get([H(1)]) == [None]
 
     assert store.put([(H(2), payload(2)), (H(6), payload(6))]) == 0  # present: only touched
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([3, 6], [4, 5, 2])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([3, 6], [4, 5, 2])
 
     assert store.match_prefix([H(6), H(3), H(4), H(1), H(5)]) == 3
     assert store.contains(H(5)) and not store.contains(H(1))
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([3, 6], [4, 5, 2])  # queries touch nothing
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([3, 6], [4, 5, 2])  # queries touch nothing
 
     assert store.stats() == PrefixCacheStats(
         num_puts=6, num_hits_dram=1, num_hits_disk=1, num_misses=1,
         num_dram_evictions=5, num_disk_evictions=1,
+        bytes_put_dram=240, bytes_spilled=200, bytes_promoted=40, bytes_served_dram=40, bytes_served_disk=40,
         num_dram_blocks=2, num_disk_blocks=3, dram_bytes=80, disk_bytes=120,
     )  # fmt: skip
     assert PrefixCacheStats.from_dict(store.stats_dict()) == store.stats()
@@ -82,12 +84,12 @@ def test_round_trip_through_disk_is_bit_identical(store: PrefixCacheStore) -> No
         store.put([(h, blob)])
         check(store)
     first = next(iter(blobs))
-    assert first in store.disk_lru_order()
+    assert first in store.disk_eviction_order()
     assert store.disk_path(first).read_bytes()[HEADER_BYTES:] == blobs[first]
     [got] = store.get([first])
     check(store)
     assert got == blobs[first] and type(got) is bytes
-    assert first in store.dram_lru_order() and store.stats().num_hits_disk == 1
+    assert first in store.dram_eviction_order() and store.stats().num_hits_disk == 1
     assert store.get(list(blobs)) == list(blobs.values())  # every block, whichever tier it is in
     check(store)
 
@@ -112,7 +114,7 @@ def corrupt_flip(path: Path) -> None:
 )
 def test_damaged_disk_file_is_a_miss_and_deleted(store: PrefixCacheStore, damage) -> None:
     store.put([(H(5), payload(5)), (H(7), payload(7)), (H(8), payload(8)), (H(9), payload(9))])
-    assert store.disk_lru_order() == [5, 7]
+    assert store.disk_eviction_order() == [5, 7]
     damage(store.disk_path(H(5)))
     assert store.match_prefix([H(5)]) == 1  # the index does not read files
     assert store.get([H(5)]) == [None]
@@ -130,23 +132,23 @@ def test_oversized_block_is_refused_and_exact_fit_accepted(store: PrefixCacheSto
     assert not store.contains(H(2)) and store.stats().num_put_refused == 1
     assert store.put([(H(3), payload(3, 100))]) == 1  # fills DRAM alone: 1 then 4 spill, in LRU order
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([3], [1, 4])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([3], [1, 4])
 
 
 def test_block_too_big_for_disk_is_dropped_on_spill(tmp_path: Path) -> None:
-    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=100, disk_bytes=50, disk_dir=str(tmp_path)), "s")
+    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=100, disk_bytes=50, disk_dir=str(tmp_path), eviction="lru"), "s")
     store.put([(H(1), payload(1, 60)), (H(2), payload(2, 40)), (H(3), payload(3, 40))])
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([2, 3], [])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([2, 3], [])
     assert store.stats().num_dram_evictions == 1 and not store.contains(H(1))
     store.close()
 
 
 def test_without_disk_tier_eviction_drops(tmp_path: Path) -> None:
-    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=80, enable_disk=False, disk_dir=str(tmp_path)))
+    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=80, enable_disk=False, disk_dir=str(tmp_path), eviction="lru"))
     store.put([(H(i), payload(i)) for i in range(4)])
     check(store)
-    assert store.dram_lru_order() == [2, 3] and store.disk_lru_order() == []
+    assert store.dram_eviction_order() == [2, 3] and store.disk_eviction_order() == []
     assert store.get([H(0), H(3)]) == [None, payload(3)]
     assert list(tmp_path.iterdir()) == []  # nothing written anywhere
     assert store.stats().num_dram_evictions == 2
@@ -155,11 +157,11 @@ def test_without_disk_tier_eviction_drops(tmp_path: Path) -> None:
 def test_get_prefix_stops_at_first_miss_and_remove_clear(store: PrefixCacheStore) -> None:
     store.put([(H(i), payload(i)) for i in range(1, 5)])  # DRAM [3, 4], disk [1, 2]
     assert store.get_prefix([H(3), H(9), H(4)]) == [payload(3)]
-    assert store.dram_lru_order() == [4, 3]  # 4 (after the miss) was not touched
+    assert store.dram_eviction_order() == [4, 3]  # 4 (after the miss) was not touched
     assert store.stats().num_misses == 1
     assert store.remove([H(4), H(1), H(9)]) == 2
     check(store)
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([3], [2])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([3], [2])
     assert not store.disk_path(H(1)).exists()
     store.clear()
     check(store)
@@ -176,7 +178,7 @@ def test_disk_write_failure_loses_the_block_not_the_store(
     monkeypatch.setattr("actors.prefix_cache.tiers.os.replace", full_disk)
     store.put([(H(i), payload(i)) for i in range(3)])
     check(store)  # also proves the temp file was removed
-    assert (store.dram_lru_order(), store.disk_lru_order()) == ([1, 2], [])
+    assert (store.dram_eviction_order(), store.disk_eviction_order()) == ([1, 2], [])
     assert store.stats().num_disk_write_errors == 1
 
 
@@ -218,7 +220,7 @@ def test_bad_input_and_config() -> None:
 
 def test_default_folder_is_under_ferry_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FERRY_HOME", str(tmp_path))
-    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=40, disk_bytes=100), "s9")
+    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=40, disk_bytes=100, eviction="lru"), "s9")
     store.put([(H(1), payload(1)), (H(2), payload(2))])
     assert store.disk_path(H(1)) == tmp_path / "prefix_cache" / "s9" / f"{1:032x}.blk"
     assert store.disk_path(H(1)).exists()
