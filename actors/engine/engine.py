@@ -158,18 +158,20 @@ class Engine:
     # ------------------------------------------------------- KV handed over from another engine
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, options: RequestOptions,
                 *, num_kv_tokens: int) -> list[int] | None:
-        """Decode side of disaggregation, step 1: validates the request (prompt + `options`'
-        output tokens) and allocates blocks for the `num_kv_tokens` tokens whose KV another engine
-        computed. Returns the block ids to write (`runner.write_blocks`), or None when the pool or
-        the batch has no room now."""
+        """Decode side of disaggregation, step 1: validates the request (prompt + `options`' output
+        tokens) and allocates blocks for the `num_kv_tokens` tokens whose KV another engine computed
+        (offloading batch KV for an interactive request: `Scheduler.make_room`). Returns the block
+        ids to write (`runner.write_blocks`), or None when the pool or the batch has no room now."""
         req = self._new_request(request_id, prompt_token_ids, params, options)
         assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
         if len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs:
             return None
+        req.priority_rank = options.priority_rank
+        if self.scheduler.make_room(req, num_kv_tokens):
+            self.scheduler.offload.apply(self.runner)  # read out before this KV lands in those blocks
         if not self.kv.allocate_slots(req, num_kv_tokens):
             return None
         req.num_computed_tokens = num_kv_tokens
-        req.priority_rank = options.priority_rank
         self._reserved[request_id] = req
         return self.kv.block_ids(request_id)
 
@@ -200,8 +202,7 @@ class Engine:
         self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
         return True
 
-    def is_reserved(self, request_id: str) -> bool:
-        """Whether blocks wait for the request's KV (reserved, not yet committed)."""
+    def is_reserved(self, request_id: str) -> bool:  # blocks wait for the request's KV, not yet committed
         return request_id in self._reserved
 
     def cancel_reservation(self, request_id: str) -> bool:

@@ -164,35 +164,43 @@ class Scheduler:
         return max(enumerate(candidates), key=key)[1]
 
     def _make_room(self, batch: ScheduledBatch, budget: int) -> None:
-        """Frees blocks for the first waiting request when it has a claim on them: it is
-        interactive and running batch requests can be offloaded, or its tenant is below its
-        guaranteed share and tenants above theirs run. Nothing is taken unless enough can be."""
+        """`make_room` for the first waiting request's next chunk, which then stays first."""
         if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
             return
         head = self.waiting[0]
-        want = min(head.num_tokens - head.num_computed_tokens, budget)
-        need = self.kv.num_blocks_needed(head.num_computed_tokens + want) - self.kv.num_held_blocks(head.request_id)
+        taken = self.make_room(head, min(head.num_tokens - head.num_computed_tokens, budget))
+        if taken:
+            batch.yielded.extend(taken)
+            self.waiting.remove(head)  # a victim of its rank went ahead of it: the room is the head's
+            self.waiting.appendleft(head)
+
+    def make_room(self, req: Request, num_tokens: int) -> list[Request]:
+        """Frees blocks for `num_tokens` more of `req` (waiting, or being reserved for KV from
+        another engine) when it has a claim on them: it outranks running batch requests that can be
+        offloaded, or its tenant is below its guaranteed share and tenants above theirs run.
+        Nothing is taken unless enough can be; returns the requests taken from, newest first."""
+        need = self.kv.num_blocks_needed(req.num_computed_tokens + num_tokens) - self.kv.num_held_blocks(req.request_id)
         short = need - self.kv.pool.num_free_blocks
-        if short <= 0 or self.kv.over_share(head, want):
-            return
+        if short <= 0 or self.kv.over_share(req, num_tokens):
+            return []
         usage, total, shares = self.kv.pool.in_use, self.kv.pool.num_blocks, self.kv.shares
-        below = shares.enabled and usage.get(head.tenant, 0) < shares.guarantee(head.tenant, total)
+        below = shares.enabled and usage.get(req.tenant, 0) < shares.guarantee(req.tenant, total)
 
         def yields(r: Request) -> bool:
-            if r.priority_rank > head.priority_rank and self._can_offload(r):
+            if r.priority_rank > req.priority_rank and self._can_offload(r):
                 return True
-            return below and r.tenant != head.tenant and usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total)
+            return below and r.tenant != req.tenant and usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total)
 
         victims = [r for r in reversed(self.running) if yields(r)]
         if sum(self.kv.num_held_blocks(r.request_id) for r in victims) < short:
-            return
+            return []
+        taken = []
         for victim in victims:
             if self.kv.pool.num_free_blocks >= need:
                 break
             self._preempt(victim)
-            batch.yielded.append(victim)
-        self.waiting.remove(head)  # a victim of its rank went ahead of it: the room is the head's
-        self.waiting.appendleft(head)
+            taken.append(victim)
+        return taken
 
     def _can_offload(self, req: Request) -> bool:
         return req.priority_rank >= 1 and req.num_computed_tokens > 0 and self.offload.can_take(

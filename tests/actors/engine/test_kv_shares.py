@@ -157,3 +157,26 @@ def test_an_aborted_offloaded_request_gives_its_host_memory_back(tiny_llama_dir)
     assert engine.stats().offloaded_bytes == 0 and not engine.scheduler.offload.holds("batch")
     run_all(engine)
     engine.check_integrity()
+
+
+def test_kv_handed_over_for_an_interactive_request_offloads_a_batch_request(tiny_llama_dir):
+    solo = make_engine(tiny_llama_dir)
+    solo.add_request("batch", prompt(60, 1), greedy(60))
+    solo.add_request("chat", prompt(50, 2), greedy(5))
+    want = run_all(solo)
+    prefill = make_engine(tiny_llama_dir)  # computes the chat prompt's KV, as a prefill worker would
+    prefill.add_request("chat", prompt(50, 2), greedy(5), RequestOptions(prefill_only=True))
+    run_all(prefill)
+    block_ids, _ = prefill.held_kv("chat")
+    kv = prefill.runner.read_blocks(block_ids[:4])  # the first 49 tokens' blocks
+
+    decode = make_engine(tiny_llama_dir, num_blocks=9)
+    decode.add_request("batch", prompt(60, 1), greedy(60), RequestOptions(priority_rank=1))
+    while decode.kv.num_held_blocks("batch") < 6:
+        decode.step()
+    got = decode.reserve("chat", prompt(50, 2), greedy(5), RequestOptions(), num_kv_tokens=49)
+    assert got is not None and decode.stats().num_offloads == 1  # 3 blocks free, 4 needed: batch went out
+    decode.runner.write_blocks(got, kv)
+    decode.commit("chat")
+    assert run_all(decode) == want
+    decode.check_integrity()
