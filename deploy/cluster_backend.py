@@ -87,6 +87,10 @@ class ClusterBackend:
                 "local_hit_blocks": result.num_local_hit_blocks, "pool_hit_blocks": result.num_pool_hit_blocks,
                 "kv_wire_bytes": result.kv_wire_bytes, "queued_s": result.queued_s, "lookup_s": result.lookup_s,
                 "compute_s": result.compute_s, "transfer_s": result.transfer_s, "finished_at": result.finished_at,
+                "kv_codec": {"codec": result.kv_codec, "reason": result.kv_codec_reason,
+                             "predicted_s": result.kv_codec_predicted_s, "actual_s": result.kv_codec_actual_s,
+                             "encode_s": result.kv_encode_s, "send_s": result.kv_send_s,
+                             "kv_raw_bytes": result.kv_raw_bytes, "predictions_s": dict(result.kv_codec_predictions)},
             }
         return data
 

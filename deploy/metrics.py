@@ -4,7 +4,8 @@ Mental model: core code only returns stats dataclasses; this module alone turns 
 Two recorders, each owning its instruments:
 - `RequestMetrics` is fed one finished request at a time (its timeline, as the HTTP backends keep
   it) and every refusal: latency histograms per tenant, token and request counters, the prefill
-  worker's stage times and transfer bytes (deploy/dashboard/monitoring.py's `MeteredBackend` feeds it).
+  worker's stage times, transfer bytes, and each transfer's codec with its predicted and actual
+  seconds (deploy/dashboard/monitoring.py's `MeteredBackend` feeds it).
 - `ClusterMetricsExporter` is fed periodic `ClusterSnapshot`s (worker loads, engine, prefix-pool,
   transport, scheduler and semantic-cache stats; whatever the caller can read). Loads become
   gauges; cumulative counters in the stats become Prometheus counters by adding the increase since
@@ -68,6 +69,10 @@ REQUEST_METRICS = {name: MetricSpec(kind, text, tags, buckets) for name, kind, t
     ("ferry_prefill_stage_ms", _H, "Prefill stage times: queue, prefix_lookup, compute, kv_transfer (ms).", ("stage",),
      STAGE_BUCKETS_MS),
     ("ferry_kv_transfer_wire_bytes", _C, "KV bytes sent prefill -> decode, as on the wire.", ("worker",), ()),
+    ("ferry_kv_transfers", _C, "KV transfers prefill -> decode by codec, and why it was chosen: forced (by policy), "
+     "predicted (fastest), explore.", ("codec", "reason"), ()),
+    ("ferry_kv_codec_ms", _H, "A KV transfer's encode + send + decode time by codec (ms): predicted before it, "
+     "actual after it (encode and send measured, decode predicted).", ("codec", "estimate"), STAGE_BUCKETS_MS),
     ("ferry_prefix_reused_blocks", _C, "Prompt blocks a prefill reused, by tier (hbm: its own; pool).", ("tier",), ()),
 )}
 CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags in (
@@ -171,6 +176,11 @@ class RequestMetrics:
                               ("kv_transfer", p.transfer_ms)):
                 m["ferry_prefill_stage_ms"].observe(ms, {"stage": stage})
             _inc(m["ferry_kv_transfer_wire_bytes"], p.kv_wire_bytes, {"worker": p.worker})
+            if p.kv_codec is not None:
+                codec = {"codec": p.kv_codec}
+                m["ferry_kv_transfers"].inc(1, {**codec, "reason": p.kv_codec_reason or "unknown"})
+                for estimate, ms in (("predicted", p.kv_codec_predicted_ms), ("actual", p.kv_codec_actual_ms)):
+                    m["ferry_kv_codec_ms"].observe(ms, {**codec, "estimate": estimate})
             _inc(m["ferry_prefix_reused_blocks"], p.num_local_hit_blocks, {"tier": "hbm"})
             _inc(m["ferry_prefix_reused_blocks"], p.num_pool_hit_blocks, {"tier": "pool"})
 

@@ -41,6 +41,12 @@ class PrefillReport:
     lookup_ms: float
     compute_ms: float
     transfer_ms: float
+    # The transfer's codec and why (forced, predicted, explore), its encode + send + decode time
+    # predicted before and measured after (decode predicted); None from workers that predate it.
+    kv_codec: str | None = None
+    kv_codec_reason: str | None = None
+    kv_codec_predicted_ms: float | None = None
+    kv_codec_actual_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,16 @@ def _prefill(section: Mapping[str, Any] | None) -> PrefillReport | None:
         num_local_hit_blocks=int(section["local_hit_blocks"]), num_pool_hit_blocks=int(section["pool_hit_blocks"]),
         kv_wire_bytes=int(section["kv_wire_bytes"]), queued_ms=float(section["queued_s"]) * 1e3,
         lookup_ms=float(section["lookup_s"]) * 1e3, compute_ms=float(section["compute_s"]) * 1e3,
-        transfer_ms=float(section["transfer_s"]) * 1e3,
+        transfer_ms=float(section["transfer_s"]) * 1e3, **_codec(section.get("kv_codec")),
     )
+
+
+def _codec(section: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not section:
+        return {}
+    return {"kv_codec": str(section["codec"]), "kv_codec_reason": str(section["reason"]),
+            "kv_codec_predicted_ms": float(section["predicted_s"]) * 1e3,
+            "kv_codec_actual_ms": float(section["actual_s"]) * 1e3}
 
 
 def record_from_timeline(data: Mapping[str, Any]) -> RequestRecord:
