@@ -1,0 +1,114 @@
+"""Prefill -> decode handoffs with `compression: auto`: each transfer ships the codec the chooser
+picked (none over a fast link, a compressed one over a slow link, none whenever the tenant needs
+exact KV), the decode worker's tokens are those of that codec's KV, and the prefill report
+carries the choice with its predicted and actual seconds."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from actors.messages import GenerationRequest
+from transfer.codec import Compression
+from transfer.codec_choice import ALL_CODECS, ChooserConfig, CodecChooser
+from transfer.codec_cost import CodecCost
+
+from .harness import GREEDY, LocalCluster, Run, random_tokens, reference, worker_config
+
+MB = 1_000_000
+
+
+def steered_chooser() -> CodecChooser:
+    """Codec lines where none is the cheapest codec (0.1 ms/MB each way vs 0.3), and no exploration:
+    the link alone decides."""
+    costs = {}
+    for c in ALL_CODECS:
+        cost = costs[c] = CodecCost(c)
+        per_mb = 1e-4 if c is Compression.NONE else 3e-4
+        for raw in (MB, 4 * MB):
+            cost.encode.add(raw, per_mb * raw / MB)
+            cost.decode.add(raw, per_mb * raw / MB)
+        cost.wire_ratio = 1.0 if c is Compression.NONE else 0.3
+    return CodecChooser(costs, ChooserConfig(explore_every=10_000))
+
+
+def set_wire(chooser: CodecChooser, peer: str, bytes_per_s: float) -> None:
+    for _ in range(30):  # enough decayed samples that earlier ones no longer count
+        for size in (10_000, 40_000):
+            chooser.record(peer, Compression.NONE, size, size, 0.0, size / bytes_per_s)
+
+
+def test_auto_ships_the_chosen_codec_and_decodes_its_tokens(tiny_model_dir: Path) -> None:
+    prompts = [random_tokens(n, seed=100 + n) for n in (20, 37, 50)]
+    exact = reference(tiny_model_dir, prompts, GREEDY)
+
+    async def main() -> dict[str, list[Run]]:
+        cfg = worker_config(tiny_model_dir, compression="auto", tenant_compression=(("bank", "none"),))
+        cluster = await LocalCluster.start(cfg)
+        chooser = cluster.prefills[0].codecs = steered_chooser()
+        runs: dict[str, list[Run]] = {}
+        try:
+            async def batch(tag: str, tenant: str = "default") -> list[Run]:
+                reqs = [GenerationRequest(f"{tag}{i}", p, GREEDY, tenant=tenant) for i, p in enumerate(prompts)]
+                return list(await asyncio.gather(*(cluster.run(r) for r in reqs)))
+
+            set_wire(chooser, cluster.peer, 1e6)  # 1 MB/s: bytes are dear
+            runs["slow"] = await batch("slow-")
+            runs["slow, exact tenant"] = await batch("bank-", tenant="bank")
+            set_wire(chooser, cluster.peer, 1e12)
+            runs["fast"] = await batch("fast-")
+            assert cluster.decode is not None and cluster.decode.receiver_stats().num_committed == 9
+            decoded = cluster.decode.receiver_stats().decoded_raw_bytes
+            assert set(decoded) == {"none"} | {r.result.kv_codec for r in runs["slow"]}  # type: ignore[union-attr]
+        finally:
+            cluster.close()
+        return runs
+
+    runs = asyncio.run(main())
+    lossy = [r.result.kv_codec for r in runs["slow"]]  # type: ignore[union-attr]
+    assert set(lossy) <= {"int8", "fp8"}  # which one may change as real encodes update the codec lines
+    for name in ("slow, exact tenant", "fast"):
+        assert [r.result.kv_codec for r in runs[name]] == ["none"] * 3  # type: ignore[union-attr]
+        assert [r.token_ids for r in runs[name]] == exact
+    reasons = {name: {r.result.kv_codec_reason for r in rs} for name, rs in runs.items()}  # type: ignore[union-attr]
+    assert reasons == {"slow": {"predicted"}, "slow, exact tenant": {"forced"}, "fast": {"predicted"}}
+    for run in runs["slow"]:
+        r = run.result
+        assert r is not None and set(dict(r.kv_codec_predictions)) == {"none", "int8", "fp8"}
+        assert r.kv_codec_predicted_s == min(dict(r.kv_codec_predictions).values())
+        assert r.kv_codec_actual_s >= r.kv_encode_s + r.kv_send_s > 0
+        assert r.kv_wire_bytes < r.kv_raw_bytes / 2
+
+    # Each slow run's tokens are exactly those of a worker forced to its codec: auto shipped it.
+    async def forced(codec: str) -> list[list[int]]:
+        cluster = await LocalCluster.start(worker_config(tiny_model_dir, compression=codec))
+        try:
+            reqs = [GenerationRequest(f"forced-{i}", p, GREEDY) for i, p in enumerate(prompts)]
+            done = [await cluster.run(r) for r in reqs]
+            assert {d.result.kv_codec_reason for d in done} == {"forced"}  # type: ignore[union-attr]
+            return [d.token_ids for d in done]
+        finally:
+            cluster.close()
+
+    want = {codec: asyncio.run(forced(codec)) for codec in set(lossy)}
+    assert [r.token_ids for r in runs["slow"]] == [want[c][i] for i, c in enumerate(lossy)]
+
+
+def test_a_prefill_worker_calibrates_its_chooser_for_its_own_kv(tiny_model_dir: Path) -> None:
+    async def main() -> None:
+        cluster = await LocalCluster.start(worker_config(tiny_model_dir, compression="auto"))
+        try:
+            chooser = cluster.prefills[0].codecs
+            assert chooser.estimate(cluster.peer).link == "process"  # the in-process transport
+            before = chooser.estimate(cluster.peer).num_sends
+            run = await cluster.run(GenerationRequest("c", random_tokens(40, seed=5), GREEDY))
+            assert run.result is not None and run.result.kv_codec in {"none", "int8", "fp8"}
+            assert chooser.estimate(cluster.peer).num_sends == before + 1
+            assert run.result.kv_codec_predicted_s == pytest.approx(
+                dict(run.result.kv_codec_predictions)[run.result.kv_codec])
+        finally:
+            cluster.close()
+
+    asyncio.run(main())
