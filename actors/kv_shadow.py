@@ -79,6 +79,7 @@ class _Tracked:
     num_shadowed: int = 0  # leading blocks in the pool (queued)
     partial: BlockHash | None = None  # the partly filled block after them, in the pool
     partial_len: int = 0  # its tokens
+    tenant: str = "default"  # whose pool share its shadows count against
 
     def saved(self) -> list[BlockHash]:
         """Every key of this request's KV in the pool (or queued for it)."""
@@ -125,7 +126,7 @@ class KVShadows:
         if req.shadow_salt is None:
             return
         hashes = resume_hashes(req, self.block_size)[:num_in_pool]
-        t = _Tracked(shadow_keys(req), shadow_epoch(req), hashes, len(hashes))
+        t = _Tracked(shadow_keys(req), shadow_epoch(req), hashes, len(hashes), tenant=req.tenant)
         if partial is not None:
             t.partial, t.partial_len = partial
         with self._lock:
@@ -169,7 +170,7 @@ class KVShadows:
             return 0
         if new > 0:
             self._extend(t, token_ids, full * bs)
-            if not self._put(engine, request_id, t.hashes[t.num_shadowed : full], t.num_shadowed, full, t.epoch):
+            if not self._put(engine, request_id, t.hashes[t.num_shadowed : full], t.num_shadowed, full, t):
                 return 0
             t.num_shadowed = full
             if t.partial is not None:  # the block it stood for is whole now
@@ -180,15 +181,15 @@ class KVShadows:
         if new == 0 and full == num_computed // bs and tail - t.partial_len >= PARTIAL_EVERY:
             parent = t.hashes[full - 1] if full else ROOT_HASH
             key = partial_hash(parent, token_ids[full * bs : num_computed], t.keys)
-            if self._put(engine, request_id, [key], full, full + 1, t.epoch):
+            if self._put(engine, request_id, [key], full, full + 1, t):
                 if t.partial is not None:
                     self.link.remove([t.partial])
                 t.partial, t.partial_len = key, tail
         return 0
 
-    def _put(self, engine: Engine, request_id: str, keys: list[BlockHash], start: int, end: int, epoch: int) -> bool:
+    def _put(self, engine: Engine, request_id: str, keys: list[BlockHash], start: int, end: int, t: _Tracked) -> bool:
         kv = engine.runner.read_blocks(engine.kv.block_ids(request_id)[start:end])
-        if not self.link.shadow(keys, kv, epoch):
+        if not self.link.shadow(keys, kv, t.epoch, t.tenant):
             self._n["deferred"] += 1
             return False
         self._n["shadowed"] += end - start

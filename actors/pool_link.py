@@ -8,8 +8,12 @@ stopping at the first payload that does not decode or names another hash (a miss
 has and puts only the rest, so a popular prefix is sent once, not once per request. Offers beyond
 `max_pending` are dropped: the cache is an optimisation and must never queue without bound.
 
+Every put says whose blocks they are (the request's tenant: the pool shares its tiers by tenant)
+and where in the chain they start. `prefetch` asks the pool to bring a queued request's chain
+up from disk before `fetch` reads it; it never waits for the pool's answer.
+
 `shadow` puts a running request's next blocks under its private shadow keys (no lookup first:
-nobody else has them), tagged with the request's epoch; `fetch(..., epoch=)` then accepts
+nobody else has them; marked as shadows, which the pool values low), tagged with the request's epoch; `fetch(..., epoch=)` then accepts
 only blocks carrying it. `remove` drops a chain. Both share the offers' one thread and bound.
 
 `import_prefix` is the lookup before a prompt is computed, for any engine that prefills: the
@@ -44,6 +48,7 @@ class PoolLinkStats:
     num_stored_blocks: int  # the pool reported as new
     num_dropped_offers: int  # not attempted: too many in flight
     num_pending_offers: int
+    num_prefetches: int  # chains the pool was asked to bring up from disk
 
 
 class PoolLink:
@@ -56,7 +61,7 @@ class PoolLink:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-offer")
         self._lock = threading.Lock()
         self._pending: set[Future[int]] = set()
-        self._num_fetched = self._num_offered = self._num_stored = self._num_dropped = 0
+        self._num_fetched = self._num_offered = self._num_stored = self._num_dropped = self._num_prefetches = 0
 
     def fetch(self, hashes: Sequence[BlockHash], epoch: int | None = None) -> tuple[list[BlockHash], torch.Tensor | None]:
         """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds: each block
@@ -85,18 +90,25 @@ class PoolLink:
         # cat copies: the result no longer points into the payloads
         return list(hashes[: len(kvs)]), torch.cat(kvs, dim=2) if kvs else None
 
-    def offer(self, hashes: Sequence[BlockHash], kv: torch.Tensor) -> bool:
-        """Queues the full blocks `hashes` (KV [L, 2, n, ...], a private copy) for the pool; False
-        when dropped because too many offers are in flight."""
-        assert kv.shape[2] == len(hashes)
-        return not hashes or self._submit(self._offer, list(hashes), kv)
+    def prefetch(self, hashes: Sequence[BlockHash]) -> None:
+        """Asks the pool to move the chain's leading run from disk to DRAM; does not wait."""
+        if hashes:
+            self.pool.prefetch(hashes)
+            with self._lock:
+                self._num_prefetches += 1
 
-    def shadow(self, hashes: Sequence[BlockHash], kv: torch.Tensor, epoch: int) -> bool:
-        """Queues the blocks `hashes` of a request's shadows (its chain's full blocks, or its partly
-        filled last one; KV a private copy, always sent exact), each tagged with `epoch`; False when
-        dropped (too many in flight)."""
+    def offer(self, hashes: Sequence[BlockHash], kv: torch.Tensor, tenant: str) -> bool:
+        """Queues `tenant`'s full blocks `hashes` (a chain from its start; KV [L, 2, n, ...], a
+        private copy) for the pool; False when dropped because too many offers are in flight."""
         assert kv.shape[2] == len(hashes)
-        return not hashes or self._submit(self._put, list(hashes), kv, 0, "none", epoch)
+        return not hashes or self._submit(self._offer, list(hashes), kv, tenant)
+
+    def shadow(self, hashes: Sequence[BlockHash], kv: torch.Tensor, epoch: int, tenant: str) -> bool:
+        """Queues the blocks `hashes` of a request's shadows (its chain's full blocks, or its partly
+        filled last one; KV a private copy, always sent exact), each tagged with `epoch`, as
+        `tenant`'s; False when dropped (too many in flight)."""
+        assert kv.shape[2] == len(hashes)
+        return not hashes or self._submit(self._put, list(hashes), kv, 0, "none", epoch, tenant, True)
 
     def remove(self, hashes: Sequence[BlockHash]) -> bool:
         """Queues dropping the blocks `hashes` from the pool; False when dropped."""
@@ -112,16 +124,17 @@ class PoolLink:
         future.add_done_callback(self._done)
         return True
 
-    def _offer(self, hashes: list[BlockHash], kv: torch.Tensor) -> int:
-        return self._put(hashes, kv, self.pool.match_prefix(hashes), self.compression, 0)
+    def _offer(self, hashes: list[BlockHash], kv: torch.Tensor, tenant: str) -> int:
+        return self._put(hashes, kv, self.pool.match_prefix(hashes), self.compression, 0, tenant, False)
 
-    def _put(self, hashes: list[BlockHash], kv: torch.Tensor, have: int, compression: str, epoch: int) -> int:
+    def _put(self, hashes: list[BlockHash], kv: torch.Tensor, have: int, compression: str, epoch: int,
+             tenant: str, shadow: bool) -> int:
         blocks = []
         for j in range(have, len(hashes)):
             (payload,) = encode(kv[:, :, j : j + 1], self.layout, compression=compression, num_shards=1,
                                 block_hashes=[hashes[j]], transfer_id=epoch)
             blocks.append((hashes[j], bytes(payload)))
-        stored = self.pool.put(blocks).wait() if blocks else 0
+        stored = self.pool.put(blocks, tenant=tenant, first_depth=have, shadow=shadow).wait() if blocks else 0
         with self._lock:
             self._num_offered += len(blocks)
             self._num_stored += stored
@@ -143,7 +156,7 @@ class PoolLink:
     def stats(self) -> PoolLinkStats:
         with self._lock:
             return PoolLinkStats(self._num_fetched, self._num_offered, self._num_stored, self._num_dropped,
-                                 len(self._pending))
+                                 len(self._pending), self._num_prefetches)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

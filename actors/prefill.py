@@ -120,7 +120,7 @@ class PrefillWorker(ReportsTelemetry):
             await self._call(self.engine.locked, self._engine.release_kv, req.request_id)
         shipped = time.time()
         if self.pool is not None:
-            self.pool.offer(hashes, kv[:, :, : len(hashes)])  # full blocks only: a partial one has no hash
+            self.pool.offer(hashes, kv[:, :, : len(hashes)], req.tenant)  # full blocks only: a partial one has no hash
         sent, choice = shipped_kv.sent, shipped_kv.choice
         return PrefillResult(
             request_id=req.request_id, worker=self.name, num_prompt_tokens=num_prompt,
@@ -133,6 +133,16 @@ class PrefillWorker(ReportsTelemetry):
             kv_encode_s=shipped_kv.encode_s, kv_send_s=sent.latency_s,
             kv_codec_predictions=tuple(choice.predicted_s.items()),
         )
+
+    async def prefetch(self, req: GenerationRequest) -> None:
+        """While `req` waits to be prefilled here: asks the pool to bring the part of its prefix
+        this engine lacks up from disk, so the lookup in `prefill` finds it in DRAM."""
+        if self.pool is None or not req.needs_handoff:
+            return
+        reusable = prompt_block_hashes(req, self.layout.block_size)[: num_reusable_blocks(req.num_prompt_tokens,
+                                                                                          self.layout.block_size)]
+        num_local = await self._call(self.engine.locked, self._engine.cached_prefix_len, reusable)
+        await self._call(self.pool.prefetch, reusable[num_local:])
 
     def _ship(self, req: GenerationRequest, hashes: list[BlockHash], decode_peer: str) -> tuple[torch.Tensor, Shipped]:
         n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)

@@ -116,6 +116,9 @@ class PrefillServer(_WorkerServer):
     async def prefill(self, req: GenerationRequest, decode: str, **_: Any) -> PrefillResult:
         return await self.worker.prefill(req, decode)
 
+    async def prefetch(self, req: GenerationRequest, **_: Any) -> None:
+        await self.worker.prefetch(req)
+
     async def add_peer(self, metadata: bytes, **_: Any) -> str:
         return await self.worker.add_peer(metadata)
 

@@ -8,7 +8,7 @@ imported here, so using the package never requires Ray.
 from actors.prefix_cache.handles import LocalStoreHandle, StoreHandle, StoreTimeout, StoreUnavailable
 from actors.prefix_cache.pool import PendingPut, PoolStats, PrefixCachePool
 from actors.prefix_cache.ring import HashRing, StoreId
-from actors.prefix_cache.stats import PrefixCacheStats
+from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
 from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "StoreId",
     "StoreTimeout",
     "StoreUnavailable",
+    "TenantUse",
 ]

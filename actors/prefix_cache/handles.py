@@ -19,7 +19,8 @@ from typing import Literal, Protocol
 
 from actors.prefix_cache.store import PrefixCacheStore
 
-StoreMethod = Literal["put", "get", "get_prefix", "match_prefix", "remove", "clear", "stats_dict"]
+StoreMethod = Literal["put", "get", "get_prefix", "match_prefix", "prefetch", "remove", "clear", "stats_dict",
+                      "tenant_usage"]
 
 
 class StoreError(Exception):

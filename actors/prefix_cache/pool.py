@@ -4,7 +4,10 @@ Mental model: a prefix is a chain of block hashes, and the chain is only useful 
 missing block. Each hash is routed to its owner (consistent hashing, `ring.py`); a lookup sends
 every owner its share of the chain at once, and each owner answers for its share's leading run
 (how many, or the payloads). The chain's usable length is the earliest position any owner is
-missing, so one round trip of parallel calls answers the whole chain.
+missing, so one round trip of parallel calls answers the whole chain. A put says whose blocks
+they are and their depth in the chain; each store applies the tenant shares to its own tiers,
+which the ring's even spread makes the pool's. `prefetch` is a lookup's fire-and-forget twin: the
+owners move their part of the chain from disk to DRAM before the request comes to read it.
 
 Failures are misses. Every call has a deadline (`timeout_s`, shared by the whole fan-out); a
 store that times out, dies or raises is logged once, leaves the ring (its keys now route to the
@@ -28,8 +31,8 @@ from dataclasses import dataclass
 from actors.engine.block_hash import BlockHash
 from actors.prefix_cache.handles import PendingCall, StoreHandle, StoreMethod, StoreTimeout
 from actors.prefix_cache.ring import DEFAULT_VNODES_PER_STORE, HashRing, StoreId
-from actors.prefix_cache.stats import PrefixCacheStats
-from actors.prefix_cache.store import check_block_hash
+from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
+from actors.prefix_cache.store import DEFAULT_TENANT, check_block_hash
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class PoolStats:
 
 
 class PendingPut:
-    """A put (or remove) in flight. Dropping it is fine (fire and forget); `wait` collects how many
+    """A put (or remove, or prefetch) in flight. Dropping it is fine (fire and forget); `wait` collects how many
     blocks the stores newly stored (or removed), counting a failed store as zero."""
 
     def __init__(self, pool: PrefixCachePool, calls: list[tuple[StoreId, PendingCall]]) -> None:
@@ -262,16 +265,28 @@ class PrefixCachePool:
                 usable = min(usable, pos[len(payloads)])
         return [by_position[i] for i in range(usable)]
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]]) -> PendingPut:
-        """Sends blocks to their owners and returns at once; the result is optional to collect."""
+    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], *, tenant: str = DEFAULT_TENANT, first_depth: int = 0,
+            shadow: bool = False) -> PendingPut:
+        """Sends `tenant`'s blocks to their owners and returns at once; the result is optional to
+        collect. The blocks are consecutive in their chain from position `first_depth`; `shadow`:
+        a request's private KV shadows (kept at a low value)."""
         checked: list[tuple[BlockHash, bytes]] = []
         for h, payload in blocks:
             if not isinstance(payload, (bytes, bytearray, memoryview)):
                 raise TypeError(f"a payload is bytes, got {type(payload).__name__}")
             checked.append((check_block_hash(h), bytes(payload)))
         positions, handles = self._route([h for h, _ in checked])
-        args = {s: ([checked[i] for i in pos],) for s, pos in positions.items()}
+        args = {s: ([checked[i] for i in pos], tenant, [first_depth + i for i in pos], shadow)
+                for s, pos in positions.items()}
         return PendingPut(self, self._start("put", args, handles))
+
+    def prefetch(self, hashes: Sequence[BlockHash]) -> PendingPut:
+        """Asks each owner to move its part of the chain's leading run from disk to DRAM, for a
+        request that will read it soon; returns at once (`wait` collects how many moved)."""
+        hashes = [check_block_hash(h) for h in hashes]
+        positions, handles = self._route(hashes)
+        args = {s: ([hashes[i] for i in pos],) for s, pos in positions.items()}
+        return PendingPut(self, self._start("prefetch", args, handles))
 
     def remove(self, hashes: Sequence[BlockHash]) -> PendingPut:
         """Drops blocks from their owners (a request's KV shadows once it ended) and returns at
@@ -288,3 +303,11 @@ class PrefixCachePool:
         results = self._fan_out("stats_dict", dict.fromkeys(handles, ()), handles)
         per_store = {s: PrefixCacheStats.from_dict(d) for s, d in results.items()}  # type: ignore[arg-type]
         return PoolStats(PrefixCacheStats.total(per_store.values()), per_store, self.failed_store_ids)
+
+    def tenant_usage(self) -> dict[str, TenantUse]:
+        """Bytes each tenant holds per tier, summed over the stores that answered."""
+        self._heal()
+        with self._lock:
+            handles = dict(self._handles)
+        results = self._fan_out("tenant_usage", dict.fromkeys(handles, ()), handles)
+        return TenantUse.total_by_tenant(results.values())  # type: ignore[arg-type]

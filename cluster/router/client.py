@@ -42,7 +42,7 @@ from cluster.router.choice import (LeastLoaded, LocalPolicy, NoWorkers, Placemen
 from cluster.router.config import RecoveryConfig, RouterConfig
 from cluster.router.control import ControlPlane
 from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight, StreamBroken, is_worker_failure
-from cluster.router.handles import TokenStream, WorkerGone, WorkerHandle, WorkerUnreachable
+from cluster.router.handles import TokenStream, WorkerGone, WorkerHandle, WorkerUnreachable, start_prefetch
 from cluster.router.loads import LoadBoard, bounded
 from cluster.router.preemption import Preemptions
 from cluster.router.replacement import Replacements, Replacer
@@ -301,6 +301,7 @@ class Router:
             except NoCapacity:
                 if self.cfg.room_wait_s <= 0:
                     raise
+        start_prefetch(self.prefills, choice.prefill, req)  # it waits: its prefix comes up from disk meanwhile
         deadline = time.monotonic() + self.cfg.room_wait_s
         ticket = self.room.join(rank, key)
         try:

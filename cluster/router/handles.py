@@ -11,18 +11,22 @@ when it lands.
 
 Implementations: `RayWorkerHandle` (cluster/router/ray_handles.py) over an actor handle, and
 `LocalWorkerHandle` here over a worker object in this process (tests, and a single-process
-server), which can also be `kill`ed to play a dead worker.
+server), which can also be `kill`ed to play a dead worker. `start_prefetch` is the router's
+fire-and-forget use of a prefill worker's `prefetch` while a request waits for a decode row.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, Protocol
 
 from actors.errors import DataPlaneError
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerUnreachable(DataPlaneError):
@@ -68,6 +72,11 @@ class WorkerHandle(Protocol):
         """Sent at once; awaiting the result is optional (its errors are the caller's to ignore)."""
         ...
 
+    def prefetch(self, req: GenerationRequest) -> Awaitable[Any]:
+        """A prefill worker brings `req`'s cached prefix up from the pool's disk tier while `req`
+        waits; sent at once, like `abort`."""
+        ...
+
     def stream(self, req: GenerationRequest) -> TokenStream:
         """Runs `req` whole on this worker (prefill included)."""
         ...
@@ -75,6 +84,30 @@ class WorkerHandle(Protocol):
     def stream_after_kv(self, request_id: str) -> TokenStream:
         """Decodes an announced request once its KV has landed."""
         ...
+
+
+_PREFETCHES: set[asyncio.Future[Any]] = set()  # the loop keeps only weak references to tasks
+
+
+def start_prefetch(prefills: Mapping[str, WorkerHandle], name: str | None, req: GenerationRequest) -> None:
+    """Has prefill worker `name` prefetch `req`'s prefix (`WorkerHandle.prefetch`) without waiting:
+    a prefetch only saves time, so whatever goes wrong with it is logged and forgotten."""
+    worker = prefills.get(name) if name is not None else None
+    if worker is None:
+        return
+
+    def done(pending: asyncio.Future[Any]) -> None:
+        _PREFETCHES.discard(pending)
+        if not pending.cancelled() and pending.exception() is not None:
+            logger.info("prefetch of %s on %s failed: %r", req.request_id, worker.name, pending.exception())
+
+    try:
+        pending = asyncio.ensure_future(worker.prefetch(req))
+    except Exception as e:  # noqa: BLE001 - a dead worker: the prefill call will find out
+        logger.info("prefetch of %s on %s not sent: %r", req.request_id, worker.name, e)
+        return
+    _PREFETCHES.add(pending)
+    pending.add_done_callback(done)
 
 
 class _LocalStream:
@@ -161,6 +194,10 @@ class LocalWorkerHandle:
             done.set_result(False)
             return done
         return asyncio.ensure_future(self.worker.abort(request_id))
+
+    def prefetch(self, req: GenerationRequest) -> Awaitable[Any]:
+        self._check()
+        return asyncio.ensure_future(self.worker.prefetch(req))
 
     def stream(self, req: GenerationRequest) -> TokenStream:
         self._check()

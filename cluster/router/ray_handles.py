@@ -100,6 +100,9 @@ class RayWorkerHandle:
     def abort(self, request_id: str) -> Awaitable[Any]:
         return self.actor.abort.remote(request_id)
 
+    def prefetch(self, req: GenerationRequest) -> Awaitable[Any]:
+        return self.actor.prefetch.remote(req)
+
     def stream(self, req: GenerationRequest) -> RayTokenStream:
         return RayTokenStream(self.name, self.actor.generate.options(num_returns="streaming").remote(req))
 

@@ -83,6 +83,9 @@ class ServeWorkerHandle:
     def abort(self, request_id: str) -> Awaitable[Any]:
         return self.handle.abort.remote(request_id, **self._pinned())
 
+    def prefetch(self, req: GenerationRequest) -> Awaitable[Any]:
+        return self.handle.prefetch.remote(req, **self._pinned())
+
     def stream(self, req: GenerationRequest) -> ServeTokenStream:
         return ServeTokenStream(self.name, self.handle.options(stream=True).generate.remote(req, **self._pinned()))
 
