@@ -41,11 +41,11 @@ def test_a_generation_request_maps_to_its_engine_options() -> None:
                             output_token_ids=(9,), max_chunk_tokens=16, priority_rank=1)
     assert req.engine_options() == RequestOptions(
         extra_keys=("tenant:acme",), num_shared_prefix_tokens=2, output_token_ids=(9,), seed=11,
-        max_chunk_tokens=16, priority_rank=1)
+        max_chunk_tokens=16, priority_rank=1, tenant="acme")
     # A prefill worker runs the prompt alone at its full step budget and keeps the KV to ship.
     assert req.engine_options(prefill_only=True) == RequestOptions(
         extra_keys=("tenant:acme",), num_shared_prefix_tokens=2, output_token_ids=(9,), seed=11,
-        prefill_only=True, priority_rank=1)
+        prefill_only=True, priority_rank=1, tenant="acme")
     # The arrival time is wall clock and stays with the request; the engine stamps its own.
     assert req.engine_options().arrival_time is None
     assert GenerationRequest("r2", (5,), GREEDY, cache_salt=()).engine_options().extra_keys == ()
