@@ -95,7 +95,7 @@ class PrefixCacheStore:
             raise ValueError(f"store id {store_id!r} must be letters, digits, '_', '.' or '-'")
         self.cfg = cfg = cfg or PrefixCacheConfig()
         self.store_id = store_id
-        self._shares = cfg.tenant_shares if cfg.eviction == "value" else TenantShares()
+        self._shares = cfg.tenant_shares
         self._clock = ValueClock(cfg.eviction, cfg.half_life_bytes or cfg.dram_bytes)
         self._metas: dict[BlockHash, BlockMeta] = {}  # every block, whichever tier holds it
         self._dram = DramTier(cfg.dram_bytes)
@@ -168,26 +168,29 @@ class PrefixCacheStore:
 
     def prefetch(self, hashes: Sequence[BlockHash]) -> int:
         """Promotes the leading run of `hashes` that is on disk to DRAM, for a request that will
-        read it soon; stops at the first block missing or corrupt. Returns how many moved up
-        (a block DRAM would not admit stays on disk)."""
+        read it soon; stops at the first block missing, corrupt or that DRAM would not admit
+        (it stays on disk). Returns how many moved up."""
         promoted = moved = 0
         for h in map(check_block_hash, hashes):
             meta = self._metas.get(h)
             if meta is None:
                 break
-            if meta.tier == "dram" or meta.prefetched:
+            if not meta.read_counted:  # the queued request's read, counted now: its chain's
+                self._use(h, meta)  # blocks in DRAM are not displaced by the ones moving up
+                meta.read_counted = True
+            if meta.tier == "dram":
                 continue
             assert self._disk is not None
             payload = self._disk.read(h)
             if payload is None:
                 self._forget_corrupt(h, meta)
                 break
-            self._use(h, meta)  # the queued request's read, counted now
-            if self._promote(h, meta, payload):
-                meta.prefetched = True
-                self._n["num_prefetched"] += 1
-                promoted += 1
-                moved += meta.size
+            if not self._promote(h, meta, payload):
+                break  # the rest of the chain is worth less still
+            meta.prefetched = True
+            self._n["num_prefetched"] += 1
+            promoted += 1
+            moved += meta.size
         self._clock.advance(moved)
         return promoted
 
@@ -229,9 +232,11 @@ class PrefixCacheStore:
         if meta is None:
             self._n["num_misses"] += 1
             return None
-        if meta.prefetched:  # its use was counted by the prefetch
+        if meta.prefetched:
             meta.prefetched = False
             self._n["num_prefetch_used"] += 1
+        if meta.read_counted:  # by a prefetch
+            meta.read_counted = False
         else:
             self._use(h, meta)
         if meta.tier == "dram":

@@ -46,6 +46,7 @@ class BlockMeta:
     key: float = 0.0
     seq: int = 0  # tie-break; also tells a live heap entry from a stale one
     prefetched: bool = False  # promoted by a prefetch and not read since
+    read_counted: bool = False  # a prefetch counted the use its next read makes
 
 
 def block_weight(depth: int, shadow: bool, depth_scale: float, shadow_weight: float) -> float:
