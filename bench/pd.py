@@ -12,8 +12,13 @@ Everything runs as Ray actors on one local cluster (the embedded default plus wh
   new tenants (miss), one request at a time; the same tenants once more give the local-hit figure.
 - KV bytes moved per request by prefill workers configured with none / int8 / fp8 (header
   included, from the transport's send stats), and whether greedy outputs still equal the exact run.
+- codecs (bench/pd_codecs.py): at real lengths (`--codec-lengths`, windows of this repository's
+  docs), transfer + codec time per request with none / int8 / fp8 fixed and with auto (the
+  per-transfer choice), on every link measurable here (in-process, Ray object store, NIXL over
+  loopback) plus an EMULATED slower link, and the check "auto <= best fixed codec" per link.
 
-    .venv/bin/python bench/pd.py [--requests 8] [--concurrency 4] [--max-tokens 16] [--json]
+    .venv/bin/python bench/pd.py [--parts serve,codecs] [--requests 8] [--concurrency 4] [--max-tokens 16]
+        [--codec-lengths 1024,2048,4096] [--codec-rounds 3] [--emulated-gbps 1.25] [--json]
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from actors.prefix_cache.store import PrefixCacheConfig
 from actors.ray_actors import RemoteColocated, RemotePrefill, start_pd
 from actors.worker_config import WorkerConfig
 from bench.common import format_table, progress, run_on_local_ray
+from bench.pd_codecs import bench_codecs, render_codecs
 from cluster.router.client import Router
 from cluster.router.config import RouterConfig
 from cluster.router.ray_handles import ray_handles, router_for
@@ -164,11 +170,20 @@ def requests(prompts: Sequence[list[int]], params: SamplingParams, tag: str, ten
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    parts = set(args.parts.split(","))
+    figures = await bench_serving(args) if "serve" in parts else {"model": MODEL}
+    if "codecs" in parts:
+        lengths = [int(n) for n in args.codec_lengths.split(",")]
+        figures["codecs"] = await bench_codecs(lengths, args.codec_rounds, args.emulated_gbps)
+    return figures
+
+
+async def bench_serving(args: argparse.Namespace) -> dict[str, Any]:
     tok = Tokenizer.load(resolve_model(MODEL))
     prompts = [chat(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(args.requests)]
     shared = common_prefix_len(prompts)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    cfg = WorkerConfig(model=MODEL, engine=EngineConfig(num_blocks=512))
+    cfg = WorkerConfig(model=MODEL, engine=EngineConfig(num_blocks=512), compression="none")  # the exact baseline
     figures: dict[str, Any] = {"model": MODEL, "config": {
         "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "prompt_tokens": [len(p) for p in prompts], "shared_prefix_tokens": shared,
@@ -246,6 +261,13 @@ def kv_row(samples: Sequence[Sample], exact: Sequence[Sample]) -> dict[str, floa
 
 
 def render(f: dict[str, Any]) -> str:
+    out = [render_serving(f)] if "config" in f else []
+    if "codecs" in f:
+        out.append(render_codecs(f["codecs"]))
+    return "\n\n".join([*out, f"wall {f['wall_s']:.0f} s"])
+
+
+def render_serving(f: dict[str, Any]) -> str:
     c = f["config"]
     rows = [[mode, d["ttft_ms_p50"], d["ttft_ms_mean"], d["tpot_ms_p50"], d["tpot_ms_mean"]]
             for mode, d in f["colocated_vs_disaggregated"].items()]
@@ -269,7 +291,7 @@ def render(f: dict[str, Any]) -> str:
         ["disaggregated / arrival", "queued ms", "lookup ms", "compute ms", "transfer ms", "decode first ms"], stages,
         title="Where disaggregated TTFT goes (means; queued = submit -> prefill starts, incl. the announce)")
     foot = (f"prompts {min(c['prompt_tokens'])}-{max(c['prompt_tokens'])} tokens, shared system prefix "
-            f"{c['shared_prefix_tokens']} tokens, block {c['block_size']}; wall {f['wall_s']:.0f} s")
+            f"{c['shared_prefix_tokens']} tokens, block {c['block_size']}")
     return "\n\n".join([t1, t2, t3, foot])
 
 
@@ -278,6 +300,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--parts", default="serve,codecs", help="serve (latency, pool, KV bytes), codecs")
+    parser.add_argument("--codec-lengths", default="1024,2048,4096", help="codecs: prompt tokens, real text")
+    parser.add_argument("--codec-rounds", type=int, default=3, help="codecs: sends of every prompt per policy")
+    parser.add_argument("--emulated-gbps", type=float, default=1.25,
+                        help="codecs: rate of the EMULATED link (throttled in-process transport), GB/s")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     args = parser.parse_args()
     if args.requests < 4 or args.max_tokens < 2:

@@ -308,17 +308,23 @@ class DecodeBatch:
         return dict(zip(self.seqs, logits))
 
 
-def quality(num_prompts: int, num_tokens: int, dtype: str) -> list[dict[str, Any]]:
+def quality(num_prompts: int, num_tokens: int, dtype: str, prompt_tokens: int = 0) -> list[dict[str, Any]]:
     """Prefill each prompt once; ship its KV into fresh blocks through each codec; decode
     `num_tokens` greedy tokens from every copy, forced (fed the reference's tokens: per-step
     agreement, logit error) and free (its own tokens). Rows beside the codecs: `none` (bit-exact KV
     in other blocks and batch rows: must be 1.0), `1-ulp` (`one_ulp_off`: the floor), and for a
     reduced-precision dtype `float32 model`: the float32 model on the same tokens against this
-    dtype's reference."""
+    dtype's reference. `prompt_tokens` > 0: prompts of that many tokens of real text (windows of
+    this repository's docs) instead of the short `PROMPTS`."""
     from actors.engine.fetch import resolve_model
     from actors.engine.tokenizer import Tokenizer
+    from bench.shadow import doc_tokens, windows
 
-    ids = [Tokenizer.load(resolve_model("smollm2")).encode(p) for p in PROMPTS[:num_prompts]]
+    tok = Tokenizer.load(resolve_model("smollm2"))
+    if prompt_tokens > 0:
+        ids = windows(doc_tokens(tok), prompt_tokens, num_prompts)
+    else:
+        ids = [tok.encode(p) for p in PROMPTS[:num_prompts]]
     prompts = range(len(ids))
     kinds = ["none", "1-ulp", "int8", "fp8"]
     main = DecodeBatch(dtype, ids, ["ref"] + [f"{k}/{m}" for k in kinds for m in MODES], num_tokens)
@@ -377,6 +383,8 @@ def main() -> None:
     ap.add_argument("--codec-blocks", type=int, default=128, help="KV blocks in the codec figures")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="quality: prompts of this many tokens of real text (the repo's docs); 0: short PROMPTS")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine dtypes for the quality figures, a table each")
     ap.add_argument("--transport", choices=["all", "cuda_ipc"], default="all",
                     help="cuda_ipc: only the same-node table, cuda_ipc between two processes vs one d2d copy"
@@ -409,9 +417,10 @@ def main() -> None:
         figures["codec"] = codec_figures(args.codec_blocks)
     if "quality" in parts and args.prompts > 0:
         figures["quality"] = {}
+        figures["quality_prompt_tokens"] = args.prompt_tokens or "short"
         for dtype in args.dtypes.split(","):
             log(f"quality on SmolLM2 in {dtype}")
-            figures["quality"][dtype] = quality(args.prompts, args.tokens, dtype)
+            figures["quality"][dtype] = quality(args.prompts, args.tokens, dtype, args.prompt_tokens)
     if args.json:
         print(json.dumps(figures, indent=2))
         return
@@ -432,8 +441,9 @@ def main() -> None:
         for dtype, q_rows in figures["quality"].items():
             fmt = {"prompts_identical": f"{{}}/{args.prompts}", "mean_kl": "{:.2e}", "max_logit_diff": "{:.3f}"}
             rows = [[r["variant"], *(fmt.get(k, "{:.4f}").format(r[k]) for k in keys)] for r in q_rows]
-            title = (f"Token agreement with uncompressed KV: SmolLM2 ({dtype}), {args.prompts} prompts x {args.tokens}"
-                     " greedy tokens\n(forced: fed the reference's tokens, per step; (ties): a pick the other side's"
+            length = f"{args.prompt_tokens}-token " if args.prompt_tokens else ""
+            title = (f"Token agreement with uncompressed KV: SmolLM2 ({dtype}), {args.prompts} {length}prompts x "
+                     f"{args.tokens} greedy tokens\n(forced: fed the reference's tokens, per step; (ties): a pick the other side's"
                      " logits tie with its own counts as agreement;\n free: its own tokens; max_logit_diff and"
                      " mean_kl (nats): forced steps; 1-ulp: every KV value one step off, the floor)")
             print(table(title, ["variant", *heads], rows), end="\n\n")

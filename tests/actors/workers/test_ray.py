@@ -47,7 +47,7 @@ class Deployment:
         # A pool block is one codec shard of one block; DRAM holds one per store, the rest spill.
         self.block_bytes = len(encode(torch.zeros(2, 2, 1, 16, 2, 16), self.layout, block_hashes=[1])[0])
         cache = PrefixCacheConfig(dram_bytes=self.block_bytes + 64, disk_bytes=64 * MIB, disk_dir=str(tmp))
-        cfg = WorkerConfig(model=str(model), engine=EngineConfig(num_blocks=NUM_BLOCKS),
+        cfg = WorkerConfig(model=str(model), engine=EngineConfig(num_blocks=NUM_BLOCKS), compression="none",  # exact KV
                            transfer=TransferConfig(send_staging_bytes=8 * MIB, recv_staging_bytes=8 * MIB))
         self.pd = start_pd(cfg, num_prefill=2, num_decode=2, cache=cache, num_cache=2)
         self.prefills = list(self.pd.prefills)
