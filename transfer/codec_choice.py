@@ -227,6 +227,7 @@ class CodecChooser:
         with self._lock:
             state = self._peer(peer)
             prior = self._priors[state.link]
-            fixed, per_byte = state.wire.line(prior.overhead_s) or (prior.overhead_s, 1 / prior.bandwidth_bytes_per_s)
+            per_byte0 = 1 / prior.bandwidth_bytes_per_s
+            fixed, per_byte = state.wire.line(prior.overhead_s, per_byte0) or (prior.overhead_s, per_byte0)
             return PeerEstimate(peer, state.link, 1.0 / per_byte, fixed, state.wire.num_samples,
                                 {c.name.lower(): n for c, n in state.tries.items()})

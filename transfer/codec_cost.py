@@ -46,28 +46,30 @@ class LineFit:
         self._xy = keep * self._xy + x * y
         self.num_samples += 1
 
-    def line(self, prior_fixed: float) -> tuple[float, float] | None:
-        """(fixed, per_byte), or None before any sample. The fixed part is fitted only when the
-        samples' sizes spread (a coefficient of variation over 10%); otherwise it is `prior_fixed`,
-        capped at half the mean, and the per-byte part is what is left of the mean."""
+    def line(self, prior_fixed: float, prior_per_byte: float) -> tuple[float, float] | None:
+        """(fixed, per_byte), or None before any sample. Both are fitted when the samples' sizes
+        spread (a coefficient of variation over 10%); otherwise the mean is split between them in
+        the prior's proportion (the prior scaled to the measured mean), since one size cannot tell
+        a fixed cost from a per-byte one: a slow small send is not taken for a slow wire."""
         if self.num_samples == 0:
             return None
-        mx, my = self._x / self._w, self._y / self._w
+        mx, my = self._x / self._w, max(0.0, self._y / self._w)
         if mx <= 0:
-            return max(0.0, my), MIN_PER_BYTE_S
+            return my, MIN_PER_BYTE_S
         var = self._xx / self._w - mx * mx
         if var > (0.1 * mx) ** 2:
             slope = (self._xy / self._w - mx * my) / var
             if slope > 0:
                 fixed = my - slope * mx
-                if fixed >= 0:
-                    return fixed, max(slope, MIN_PER_BYTE_S)
-                return 0.0, max(my / mx, MIN_PER_BYTE_S)
-        fixed = min(prior_fixed, max(0.0, my) / 2)
-        return fixed, max((my - fixed) / mx, MIN_PER_BYTE_S)
+                return (fixed, max(slope, MIN_PER_BYTE_S)) if fixed >= 0 else (0.0, max(my / mx, MIN_PER_BYTE_S))
+        prior = prior_fixed + prior_per_byte * mx
+        if prior <= 0:
+            return 0.0, max(my / mx, MIN_PER_BYTE_S)
+        scale = my / prior
+        return scale * prior_fixed, max(scale * prior_per_byte, MIN_PER_BYTE_S)
 
     def predict(self, x: float, prior_fixed: float, prior_per_byte: float) -> float:
-        fit = self.line(prior_fixed)
+        fit = self.line(prior_fixed, prior_per_byte)
         fixed, per_byte = fit if fit is not None else (prior_fixed, prior_per_byte)
         return fixed + per_byte * x
 

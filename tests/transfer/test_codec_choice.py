@@ -17,14 +17,16 @@ MB = 1_000_000
 LAYOUT = KVLayout("tiny", num_layers=4, num_kv_heads=2, head_dim=16, block_size=4)
 
 
-def costs(encode_per_mb: dict[Compression, float], ratio: dict[Compression, float]) -> dict[Compression, CodecCost]:
-    """Codec lines with no fixed part: `encode_per_mb[c]` seconds per MB to encode, as much to decode."""
+def costs(encode_per_mb: dict[Compression, float], ratio: dict[Compression, float],
+          fixed_s: dict[Compression, float] | None = None) -> dict[Compression, CodecCost]:
+    """Codec lines: `fixed_s[c]` (default 0) plus `encode_per_mb[c]` seconds per MB to encode, as much to decode."""
     out = {}
     for c in ALL_CODECS:
         cost = CodecCost(c)
+        fixed = (fixed_s or {}).get(c, 0.0)
         for raw in (MB, 4 * MB):
-            cost.encode.add(raw, encode_per_mb[c] * raw / MB)
-            cost.decode.add(raw, encode_per_mb[c] * raw / MB)
+            cost.encode.add(raw, fixed + encode_per_mb[c] * raw / MB)
+            cost.decode.add(raw, fixed + encode_per_mb[c] * raw / MB)
         cost.wire_ratio = ratio[c]
         out[c] = cost
     return out
@@ -157,16 +159,31 @@ def test_records_update_the_codec_lines_and_wire_ratio() -> None:
 
 def test_line_fit_separates_the_fixed_cost_from_the_per_byte_one() -> None:
     fit = LineFit(decay=0.1)
-    assert fit.line(0.001) is None and fit.predict(100, 0.5, 0.01) == pytest.approx(1.5)
+    assert fit.line(0.001, 1e-9) is None and fit.predict(100, 0.5, 0.01) == pytest.approx(1.5)
     for x in (1e6, 4e6, 16e6, 2e6):
         fit.add(x, 0.003 + x / 2e9)
-    fixed, per_byte = fit.line(0.0)  # type: ignore[misc]
+    fixed, per_byte = fit.line(0.0, 0.0)  # type: ignore[misc]
     assert fixed == pytest.approx(0.003, rel=1e-6) and per_byte == pytest.approx(1 / 2e9, rel=1e-6)
     same = LineFit()
-    for _ in range(3):  # one size only: the prior's fixed part, capped at half the mean
+    for _ in range(3):  # one size only: the mean, split in the prior's proportion
         same.add(1e6, 0.01)
-    assert same.line(0.001) == pytest.approx((0.001, 0.009 / 1e6))
-    assert same.line(1.0) == pytest.approx((0.005, 0.005 / 1e6))
+    assert same.line(0.001, 4e-9) == pytest.approx((0.002, 8e-9))
+    assert same.line(0.0, 0.0) == pytest.approx((0.0, 1e-8))
+
+
+def test_a_slow_small_send_is_not_taken_for_a_slow_wire() -> None:
+    """Sends of one small size that take milliseconds (a Ray call's overhead): the time goes to the
+    fixed part mostly, so compressing a few KB is not predicted to save milliseconds."""
+    # quantizing has a fixed cost, as the real codecs do (launching the per-block scale passes)
+    chooser = CodecChooser(costs(CPU, RATIO, {NONE: 1e-5, INT8: 1e-4, FP8: 1e-4}), quiet())
+    chooser.set_link("store", "node")
+    for _ in range(5):
+        chooser.record("store", NONE, 20_000, 20_000, 0.0, 0.005)
+    choice = chooser.choose("store", 20_000)
+    assert choice.codec == NONE
+    assert choice.predicted_s["none"] == pytest.approx(0.005, rel=0.01)
+    estimate = chooser.estimate("store")
+    assert estimate.overhead_s == pytest.approx(0.005, rel=0.01) and estimate.bandwidth_bytes_per_s > 0.5e9
 
 
 def test_config_is_checked() -> None:
