@@ -56,8 +56,12 @@ def test_pool_over_actors_survives_a_killed_actor(ray_cluster: ModuleType, tmp_p
         ids = sorted(handles)
         assert pool.put([(h, blob(h)) for h in CHAIN]).wait(timeout_s=60) == 16  # first call: actor start
         assert pool.match_prefix(CHAIN) == 16
+        use = pool.tenant_usage()["default"]
+        assert use.dram_bytes + use.disk_bytes == sum(len(blob(h)) for h in CHAIN)
+        moved = pool.prefetch(CHAIN).wait(timeout_s=30)
         assert pool.get_prefix(CHAIN) == [blob(h) for h in CHAIN]  # some came back from disk
         stats = pool.stats()
+        assert stats.total.num_prefetched == stats.total.num_prefetch_used == moved
         assert [stats.per_store[s].num_puts for s in ids] == [
             sum(1 for h in CHAIN if pool.owner(h) == s) for s in ids
         ]
