@@ -13,8 +13,9 @@ and where in the chain they start. `prefetch` asks the pool to bring a queued re
 up from disk before `fetch` reads it; it never waits for the pool's answer.
 
 `shadow` puts a running request's next blocks under its private shadow keys (no lookup first:
-nobody else has them; marked as shadows, which the pool values low), tagged with the request's epoch; `fetch(..., epoch=)` then accepts
-only blocks carrying it. `remove` drops a chain. Both share the offers' one thread and bound.
+nobody else has them; marked as shadows, which the pool values low), tagged with the request's
+epoch; `fetch(..., epoch=)` then accepts only blocks carrying it. `remove` drops a chain. Both
+share the offers' one thread and bound.
 
 `import_prefix` is the lookup before a prompt is computed, for any engine that prefills: the
 prefill worker's, and a decode worker's when the scheduler has it prefill a request itself (it
@@ -61,7 +62,8 @@ class PoolLink:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-offer")
         self._lock = threading.Lock()
         self._pending: set[Future[int]] = set()
-        self._num_fetched = self._num_offered = self._num_stored = self._num_dropped = self._num_prefetches = 0
+        self._num_fetched = self._num_offered = self._num_stored = 0
+        self._num_dropped = self._num_prefetches = 0
 
     def fetch(self, hashes: Sequence[BlockHash], epoch: int | None = None) -> tuple[list[BlockHash], torch.Tensor | None]:
         """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds: each block

@@ -9,7 +9,7 @@ in `actor.py` (a Ray actor; the only place the pool's side touches Ray).
 Contract for implementations: `call` never blocks on the store and never raises for a store
 failure; `PendingCall.result(timeout_s)` returns the method's plain-data result, or raises
 `StoreTimeout` when the deadline passes first, `StoreUnavailable` when the store is gone, or the
-store's own exception. Arguments and results are ints, bytes, lists and dicts only.
+store's own exception. Arguments and results are str, bool, ints, bytes, lists and dicts only.
 """
 
 from __future__ import annotations

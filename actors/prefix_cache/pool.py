@@ -32,7 +32,7 @@ from actors.engine.block_hash import BlockHash
 from actors.prefix_cache.handles import PendingCall, StoreHandle, StoreMethod, StoreTimeout
 from actors.prefix_cache.ring import DEFAULT_VNODES_PER_STORE, HashRing, StoreId
 from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
-from actors.prefix_cache.store import DEFAULT_TENANT, check_block_hash
+from actors.prefix_cache.config import DEFAULT_TENANT, check_block_hash
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ class PoolStats:
 
 
 class PendingPut:
-    """A put (or remove, or prefetch) in flight. Dropping it is fine (fire and forget); `wait` collects how many
-    blocks the stores newly stored (or removed), counting a failed store as zero."""
+    """A put (or remove, or prefetch) in flight. Dropping it is fine (fire and forget); `wait`
+    collects how many blocks the stores newly stored (removed, moved up), a failed store as zero."""
 
     def __init__(self, pool: PrefixCachePool, calls: list[tuple[StoreId, PendingCall]]) -> None:
         self._pool = pool

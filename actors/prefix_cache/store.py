@@ -30,63 +30,21 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Literal
 
 from actors.engine.block_hash import BlockHash
-from actors.engine.fetch import ferry_home
-from actors.engine.shares import TenantShares
+from actors.prefix_cache.config import DEFAULT_TENANT, PrefixCacheConfig, check_block_hash
 from actors.prefix_cache.stats import PrefixCacheStats
 from actors.prefix_cache.tiers import DiskTier, DramTier
 from actors.prefix_cache.value import BlockMeta, EvictionReason, Tier, TierIndex, ValueClock, block_weight
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
-GiB = 1 << 30
-DEFAULT_TENANT = "default"
 _STORE_ID = re.compile(r"[A-Za-z0-9_.-]+")
 # Stats the tiers keep themselves, or that describe the store now; the rest the store counts.
 _FROM_TIERS = {"num_corrupt", "num_disk_write_errors", "num_dram_blocks", "num_disk_blocks", "dram_bytes", "disk_bytes"}
 _COUNTERS = tuple(f.name for f in fields(PrefixCacheStats) if f.name not in _FROM_TIERS)
-
-
-@dataclass(frozen=True)
-class PrefixCacheConfig:
-    dram_bytes: int = 256 * MiB
-    disk_bytes: int = 1 * GiB
-    disk_dir: str | None = None  # root of every store's folder; None -> $FERRY_HOME/prefix_cache
-    enable_disk: bool = True
-    eviction: Literal["value", "lru"] = "value"  # "lru": plain recency, the baseline
-    half_life_bytes: int | None = None  # traffic that halves a block's use count; None: dram_bytes
-    depth_scale_blocks: float = 32.0  # a block this deep in its chain weighs half a first block
-    shadow_weight: float = 0.125  # a KV shadow's weight: a request's private blocks, rarely read
-    tenant_shares: TenantShares = field(default_factory=TenantShares)  # of each tier's bytes
-
-    def __post_init__(self) -> None:
-        if self.dram_bytes <= 0:
-            raise ValueError(f"dram_bytes must be positive, got {self.dram_bytes}")
-        if self.enable_disk and self.disk_bytes <= 0:
-            raise ValueError(f"disk_bytes must be positive when the disk tier is on, got {self.disk_bytes}")
-        if self.eviction not in ("value", "lru"):
-            raise ValueError(f"eviction is 'value' or 'lru', got {self.eviction!r}")
-        if self.half_life_bytes is not None and self.half_life_bytes <= 0:
-            raise ValueError(f"half_life_bytes must be positive, got {self.half_life_bytes}")
-        if self.depth_scale_blocks <= 0 or not 0 < self.shadow_weight <= 1:
-            raise ValueError(f"need depth_scale_blocks > 0 and 0 < shadow_weight <= 1, got "
-                             f"{self.depth_scale_blocks}, {self.shadow_weight}")
-
-    def store_dir(self, store_id: str) -> Path:
-        root = Path(self.disk_dir).expanduser() if self.disk_dir else ferry_home() / "prefix_cache"
-        return root / store_id
-
-
-def check_block_hash(block_hash: object) -> BlockHash:
-    valid = isinstance(block_hash, int) and not isinstance(block_hash, bool) and 0 <= block_hash < 1 << 128
-    if not valid:
-        raise ValueError(f"a block hash is an int in [0, 2**128), got {block_hash!r}")
-    return BlockHash(block_hash)
 
 
 class PrefixCacheStore:
@@ -118,12 +76,15 @@ class PrefixCacheStore:
         than the DRAM bound is refused: every stored block must be able to come back into DRAM."""
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"a tenant is a non-empty string, got {tenant!r}")
+        blocks = list(blocks)
+        depths = range(len(blocks)) if depths is None else depths
+        if len(depths) != len(blocks) or any(d < 0 for d in depths):
+            raise ValueError(f"need one depth >= 0 per block: {len(blocks)} blocks, depths {list(depths)[:8]}...")
         checked = []
-        for i, (block_hash, payload) in enumerate(blocks):
+        for (block_hash, payload), depth in zip(blocks, depths):
             if not isinstance(payload, (bytes, bytearray, memoryview)):
                 raise TypeError(f"a payload is bytes, got {type(payload).__name__}")
-            depth = i if depths is None else int(depths[i])
-            checked.append((check_block_hash(block_hash), payload, depth))
+            checked.append((check_block_hash(block_hash), payload, int(depth)))
         stored = moved = 0
         for h, payload, depth in checked:
             meta = self._metas.get(h)

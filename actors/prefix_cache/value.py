@@ -170,7 +170,8 @@ class TierIndex:
                 meta = self._metas[entry[2]]
                 usage[v_tenant] -= meta.size
                 free += meta.size
-                reason: EvictionReason = "own" if at_max else "share" if shares.enabled and v_tenant != tenant else "value"
+                reason: EvictionReason = ("own" if at_max else
+                                          "share" if shares.enabled and v_tenant != tenant else "value")
                 victims.append((entry[2], reason))
         finally:
             for t, entries in taken.items():

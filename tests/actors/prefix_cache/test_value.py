@@ -134,5 +134,11 @@ def test_bad_value_config() -> None:
     for bad in ({"eviction": "lfu"}, {"half_life_bytes": 0}, {"depth_scale_blocks": 0}, {"shadow_weight": 0.0}):
         with pytest.raises(ValueError):
             PrefixCacheConfig(**bad)  # type: ignore[arg-type]
+    store = PrefixCacheStore(PrefixCacheConfig(enable_disk=False))
     with pytest.raises(ValueError):
-        PrefixCacheStore(PrefixCacheConfig(enable_disk=False)).put([(H(1), b"x")], tenant="")
+        store.put([(H(1), b"x")], tenant="")
+    with pytest.raises(ValueError):
+        store.put([(H(1), b"x"), (H(2), b"y")], depths=[0])
+    with pytest.raises(ValueError):
+        store.put([(H(1), b"x")], depths=[-1])
+    assert not store.contains(H(1))
