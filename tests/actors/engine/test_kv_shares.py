@@ -180,3 +180,27 @@ def test_kv_handed_over_for_an_interactive_request_offloads_a_batch_request(tiny
     decode.commit("chat")
     assert run_all(decode) == want
     decode.check_integrity()
+
+
+def test_block_pressure_takes_from_the_batch_request_first_and_offloads_it(tiny_llama_dir):
+    params = {"chat0": (prompt(40, 3), 0), "batch": (prompt(40, 4), 1), "chat1": (prompt(40, 5), 0)}
+    roomy = make_engine(tiny_llama_dir)
+    for rid, (p, rank) in params.items():
+        roomy.add_request(rid, p, greedy(40), RequestOptions(priority_rank=rank))
+    want = run_all(roomy)
+    # 3 blocks each for the prompts, 5 each at the end: 13 blocks cannot hold all three.
+    engine = make_engine(tiny_llama_dir, num_blocks=13)
+    for rid, (p, rank) in params.items():  # chat1 is the newest, but batch gives way
+        engine.add_request(rid, p, greedy(40), RequestOptions(priority_rank=rank))
+    preempted, done = [], {}
+    while engine.has_unfinished_requests():
+        prepared = engine.prepare_step()
+        if prepared is None:
+            continue
+        preempted += [r.request_id for r in prepared.batch.preempted]
+        done.update((o.request_id, o.token_ids) for o in engine.finish_step(prepared, engine.runner.execute(
+            prepared.chunks)) if o.finished)
+    assert preempted and set(preempted) == {"batch"}
+    assert done == want
+    assert engine.stats().num_offloads == len(preempted)
+    assert roomy.stats().num_forwarded_tokens == engine.stats().num_forwarded_tokens  # nothing recomputed
