@@ -53,7 +53,7 @@ from actors.prefix_cache.store import PrefixCacheConfig
 from actors.ray_actors import RemoteColocated, RemotePrefill, start_pd
 from actors.worker_config import WorkerConfig
 from bench.common import format_table, progress, run_on_local_ray
-from bench.pd_codecs import bench_codecs, render_codecs
+from bench.pd_codecs import LINK_KEYS, bench_codecs, render_codecs
 from cluster.router.client import Router
 from cluster.router.config import RouterConfig
 from cluster.router.ray_handles import ray_handles, router_for
@@ -174,7 +174,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     figures = await bench_serving(args) if "serve" in parts else {"model": MODEL}
     if "codecs" in parts:
         lengths = [int(n) for n in args.codec_lengths.split(",")]
-        figures["codecs"] = await bench_codecs(lengths, args.codec_rounds, args.emulated_gbps)
+        figures["codecs"] = await bench_codecs(lengths, args.codec_rounds, args.emulated_gbps,
+                                               args.codec_links.split(","))
     return figures
 
 
@@ -303,6 +304,8 @@ def main() -> None:
     parser.add_argument("--parts", default="serve,codecs", help="serve (latency, pool, KV bytes), codecs")
     parser.add_argument("--codec-lengths", default="1024,2048,4096", help="codecs: prompt tokens, real text")
     parser.add_argument("--codec-rounds", type=int, default=3, help="codecs: sends of every prompt per policy")
+    parser.add_argument("--codec-links", default=",".join(LINK_KEYS),
+                        help="codecs: links to measure (nixl only where it imports)")
     parser.add_argument("--emulated-gbps", type=float, default=1.25,
                         help="codecs: rate of the EMULATED link (throttled in-process transport), GB/s")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")

@@ -69,17 +69,21 @@ class ThrottledTransport:
 
 @dataclass(frozen=True)
 class Link:
+    key: str  # what --codec-links names it
     name: str
     kind: str  # the transports' kind
     throttle_bytes_per_s: float | None = None
 
 
-def links(emulated_gbps: float) -> list[Link]:
-    out = [Link("local (in-process)", "local"), Link("object store (this node)", "object_store")]
+LINK_KEYS = ("local", "object_store", "nixl", "emulated")
+
+
+def links(emulated_gbps: float, wanted: Sequence[str] = LINK_KEYS) -> list[Link]:
+    out = [Link("local", "local (in-process)", "local"), Link("object_store", "object store (this node)", "object_store")]
     if nixl_available():
-        out.append(Link("nixl (loopback)", "nixl"))
-    out.append(Link(f"EMULATED {emulated_gbps:g} GB/s (throttled local)", "local", emulated_gbps * 1e9))
-    return out
+        out.append(Link("nixl", "nixl (loopback)", "nixl"))
+    out.append(Link("emulated", f"EMULATED {emulated_gbps:g} GB/s (throttled local)", "local", emulated_gbps * 1e9))
+    return [link for link in out if link.key in wanted]
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,8 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
             "auto_le_best_fixed": by_policy["auto"]["total_ms_mean"] <= by_policy[best]["total_ms_mean"]}
 
 
-async def bench_codecs(lengths: Sequence[int], rounds: int, emulated_gbps: float) -> dict[str, Any]:
+async def bench_codecs(lengths: Sequence[int], rounds: int, emulated_gbps: float,
+                       wanted: Sequence[str] = LINK_KEYS) -> dict[str, Any]:
     model = resolve_model("smollm2")
     tokens = doc_tokens(Tokenizer.load(model))
     prompts = [windows(tokens, n, 1, start=1000 * i)[0] for i, n in enumerate(lengths)]
@@ -188,7 +193,7 @@ async def bench_codecs(lengths: Sequence[int], rounds: int, emulated_gbps: float
     cfg = WorkerConfig(model="smollm2", engine=EngineConfig(num_blocks=blocks, max_model_len=max(lengths) + 64),
                        transfer=TransferConfig(send_staging_bytes=64 * MIB, recv_staging_bytes=64 * MIB))
     figures: dict[str, Any] = {"prompt_tokens": list(lengths), "rounds": rounds, "links": {}}
-    for link in links(emulated_gbps):
+    for link in links(emulated_gbps, wanted):
         progress(f"codecs: {link.name}")
         samples = await run_link(link, cfg, prompts, rounds, lambda: Engine.from_pretrained(model, cfg.engine))
         figures["links"][link.name] = summarize(samples)

@@ -40,6 +40,7 @@ _MAGIC = b"FKVO"
 _ENVELOPE = struct.Struct("<4sQHH")  # magic, incarnation, name length, actor-name length
 MIB = 1 << 20
 _GRACE_S = 5.0  # extra time for a remote call that itself waits up to its timeout
+_START_S = 60.0  # a mailbox actor's start on a busy node
 
 
 class Mailbox:
@@ -94,7 +95,11 @@ class ObjectStoreTransport:
 
     def _start_mailbox(self, recv_bytes: int) -> Any:
         actor = ray.remote(num_cpus=0, max_restarts=0)(Mailbox)
-        return actor.options(name=self._actor_name).remote(recv_bytes)
+        handle = actor.options(name=self._actor_name).remote(recv_bytes)
+        # Up before the first `recv`: a `take` sent to a mailbox still starting can outlive its
+        # caller's deadline and run later, popping a shard that nobody then receives.
+        ray.get(handle.__ray_ready__.remote(), timeout=_START_S)
+        return handle
 
     def register_buffers(self, send_bytes: int, recv_bytes: int) -> None:
         old, self._mailbox = self._mailbox, None
