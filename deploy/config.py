@@ -98,6 +98,8 @@ class PrefixCacheSection(ConfigSection):
     disk_mib: int = Field(1024, ge=0)
     disk_dir: str | None = None
     compression: Literal["none", "int8", "fp8"] = "none"
+    eviction: Literal["value", "lru"] = Field("value", description="value: blocks ranked by decayed reuse, recency "
+                                              "and chain depth, admitted by it; lru: plain recency (the baseline)")
 
 
 class AppConfig(ConfigSection):
@@ -198,7 +200,7 @@ class AppConfig(ConfigSection):
         if c.num_stores == 0:
             return None
         return PrefixCacheConfig(dram_bytes=c.dram_mib * MIB, disk_bytes=max(c.disk_mib, 1) * MIB,
-                                 disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0)
+                                 disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0, eviction=c.eviction)
 
     def to_router_config(self) -> RouterConfig:
         return RouterConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
