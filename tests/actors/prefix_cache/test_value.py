@@ -142,3 +142,41 @@ def test_bad_value_config() -> None:
     with pytest.raises(ValueError):
         store.put([(H(1), b"x")], depths=[-1])
     assert not store.contains(H(1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_of_three_tenants_keeps_every_invariant(tmp_path: Path, seed: int) -> None:
+    """Puts, reads, prefetches and removes of chains by tenants with shares, in both modes: after
+    every call the tiers, their value heaps, byte counts per tenant and files agree, no tier is
+    over its bound and no tenant over its maximum."""
+    import random
+
+    from actors.engine.shares import TenantShare, TenantShares
+
+    rng = random.Random(seed)
+    shares = TenantShares.of_mapping({"a": TenantShare(guaranteed=0.4), "b": TenantShare(max=0.3)})
+    store = make(tmp_path, dram_blocks=6, disk_blocks=10, eviction=("value", "lru")[seed % 2], tenant_shares=shares)
+    chains = {t: [[H(1000 * k + 100 * c + d) for d in range(5)] for c in range(4)] for k, t in enumerate("abc", 1)}
+    for _ in range(300):
+        tenant = rng.choice("abc")
+        chain = rng.choice(chains[tenant])
+        op = rng.random()
+        if op < 0.4:
+            start = rng.randrange(len(chain))
+            store.put([(h, payload(h)) for h in chain[start:]], tenant=tenant, depths=range(start, len(chain)),
+                      shadow=rng.random() < 0.2)
+        elif op < 0.7:
+            got = store.get_prefix(chain)
+            assert got == [payload(h) for h in chain[: len(got)]]
+        elif op < 0.9:
+            store.prefetch(chain)
+        else:
+            store.remove(rng.sample(chain, 2))
+        store.check_integrity()
+        for t, use in store.tenant_usage().items():
+            if t == "b":
+                assert use["dram_bytes"] <= 0.3 * 6 * SIZE and use["disk_bytes"] <= 0.3 * 10 * SIZE
+    s = store.stats()
+    assert s.num_prefetch_used + s.num_prefetch_wasted <= s.num_prefetched
+    assert s.num_dram_evictions and s.num_disk_evictions and s.num_dram_evictions_share + s.num_dram_evictions_own
+    store.close()
