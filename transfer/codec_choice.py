@@ -78,7 +78,7 @@ def link_class(transport_kind: str, this_node: str, peer_node: str | None) -> Li
 
 @dataclass(frozen=True)
 class ChooserConfig:
-    explore_every: int = 16  # per peer: at most one exploring transfer in this many
+    explore_every: int = 8  # per peer: at most one exploring transfer in this many
     explore_max_ratio: float = 2.0  # explore a codec tried before only if predicted within this of the best
     decay: float = 0.2  # weight each older sample loses per new one (codec lines and wire lines)
 
