@@ -245,6 +245,7 @@ def tier_figures(s: dict[str, int]) -> dict[str, float]:
             "mib_spilled": st.bytes_spilled / MiB, "mib_promoted": st.bytes_promoted / MiB,
             "mib_served_dram": st.bytes_served_dram / MiB, "mib_served_disk": st.bytes_served_disk / MiB,
             "dram_refused": st.num_dram_refused, "disk_refused": st.num_disk_refused,
+            "refused_at_max": st.num_dram_refused_at_max + st.num_disk_refused_at_max,
             "prefetched": st.num_prefetched, "prefetch_accuracy": st.prefetch_accuracy}
 
 

@@ -31,6 +31,8 @@ class PrefixCacheStats:
     num_disk_evictions_own: int = 0
     num_dram_refused: int = 0  # blocks DRAM would not admit (put to disk instead, or left there)
     num_disk_refused: int = 0  # blocks disk would not admit (dropped)
+    num_dram_refused_at_max: int = 0  # of those, because their tenant was at its maximum there
+    num_disk_refused_at_max: int = 0
     num_prefetched: int = 0  # disk blocks a prefetch promoted to DRAM
     num_prefetch_used: int = 0  # of those, read before leaving DRAM
     num_prefetch_wasted: int = 0  # of those, left DRAM unread

@@ -227,9 +227,8 @@ class PrefixCacheStore:
     def _promote(self, h: BlockHash, meta: BlockMeta, payload: bytes) -> bool:
         """Moves a disk block to DRAM if DRAM admits it; else it stays on disk."""
         assert meta.tier == "disk"
-        victims = self._index["dram"].plan_room(meta.tenant, meta.size, (meta.key, meta.seq), self._shares)
+        victims = self._plan("dram", meta)
         if victims is None:
-            self._n["num_dram_refused"] += 1
             return False
         self._take_out(h, meta)  # frees its disk bytes before DRAM spills into the disk tier
         self._enter("dram", h, meta, payload, victims)
@@ -239,14 +238,20 @@ class PrefixCacheStore:
     def _admit(self, tier: Tier, h: BlockHash, meta: BlockMeta, payload: bytes) -> bool:
         """Stores a block that is indexed but in no tier into `tier`, displacing what it must;
         False: refused, or the disk write failed (the caller decides its fate)."""
-        index = self._index.get(tier)
-        if index is None:  # no disk tier
+        if tier not in self._index:  # no disk tier
             return False
-        victims = index.plan_room(meta.tenant, meta.size, (meta.key, meta.seq), self._shares)
-        if victims is None:
+        victims = self._plan(tier, meta)
+        return victims is not None and self._enter(tier, h, meta, payload, victims)
+
+    def _plan(self, tier: Tier, meta: BlockMeta) -> list[tuple[BlockHash, EvictionReason]] | None:
+        """`TierIndex.plan_room` for `meta`; a refusal is counted and is None."""
+        plan = self._index[tier].plan_room(meta.tenant, meta.size, (meta.key, meta.seq), self._shares)
+        if isinstance(plan, str):
             self._n[f"num_{tier}_refused"] += 1
-            return False
-        return self._enter(tier, h, meta, payload, victims)
+            if plan == "at_max":
+                self._n[f"num_{tier}_refused_at_max"] += 1
+            return None
+        return plan
 
     def _enter(self, tier: Tier, h: BlockHash, meta: BlockMeta, payload: bytes,
                victims: list[tuple[BlockHash, EvictionReason]]) -> bool:

@@ -31,6 +31,7 @@ from actors.engine.shares import TenantShares
 
 Tier = Literal["dram", "disk"]
 EvictionReason = Literal["value", "share", "own"]  # lowest value / taken from a tenant over its share / own, at its max
+Refusal = Literal["size", "at_max", "value"]  # larger than the tier / its tenant is at its maximum there / worth less
 
 
 @dataclass(slots=True)
@@ -141,12 +142,13 @@ class TierIndex:
         return [h for _, _, h in sorted(live)]
 
     def plan_room(self, tenant: str, size: int, key: tuple[float, int],
-                  shares: TenantShares) -> list[tuple[BlockHash, EvictionReason]] | None:
+                  shares: TenantShares) -> list[tuple[BlockHash, EvictionReason]] | Refusal:
         """The blocks to evict, in order, so that `tenant`'s block of `size` bytes worth `key`
-        fits; None: refused (too big, at its maximum with nothing cheaper of its own, or every
-        block it could displace is worth more). Changes nothing: the caller evicts the victims."""
+        fits; or why it is refused: too big, its tenant at its maximum with nothing cheaper of
+        its own, or every block it could displace worth more (or another tenant's guaranteed
+        part). Changes nothing: the caller evicts the victims."""
         if size > self.capacity_bytes:
-            return None
+            return "size"
         usage = dict(self.usage)
         free = self.capacity_bytes - self.used_bytes
         victims: list[tuple[BlockHash, EvictionReason]] = []
@@ -159,12 +161,12 @@ class TierIndex:
                     return victims
                 victim = self._pick(tenant, at_max, usage, shares)
                 if victim is None:
-                    return None
+                    return "at_max" if at_max else "value"
                 v_tenant, entry = victim
                 claim = (shares.enabled and v_tenant != tenant
                          and own + size <= shares.guarantee(tenant, self.capacity_bytes))
                 if (entry[0], entry[1]) >= key and not claim:
-                    return None
+                    return "at_max" if at_max else "value"
                 heapq.heappop(self._heaps[v_tenant])
                 taken.setdefault(v_tenant, []).append(entry)
                 meta = self._metas[entry[2]]

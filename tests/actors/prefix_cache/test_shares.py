@@ -66,6 +66,7 @@ def test_a_tenant_within_its_guarantee_claims_room_from_one_above_its_own(tmp_pa
             assert store.tenant_usage()["b"] == {"dram_bytes": SIZE, "disk_bytes": 0}
         else:
             assert stored == 0 and s.num_dram_refused == 1 and s.num_put_refused == 1
+            assert s.num_dram_refused_at_max == 0  # refused for its value, not for a share
         store.close()
 
 
@@ -83,6 +84,7 @@ def test_a_tenant_at_its_maximum_evicts_its_own_in_each_tier_or_is_refused(tmp_p
     assert put(store, "flood", 200, depth=100) == 0  # worth less than its own blocks in both tiers
     s = store.stats()
     assert (s.num_dram_refused, s.num_disk_refused, s.num_put_refused) == (1, 1, 1)
+    assert (s.num_dram_refused_at_max, s.num_disk_refused_at_max) == (1, 1)  # the reason, per tier
     assert put(store, "a", 9) == 1 and store.contains(H(0))  # others are unaffected
     assert store.tenant_usage() == {"a": {"dram_bytes": 3 * SIZE, "disk_bytes": 0},
                                     "flood": {"dram_bytes": 2 * SIZE, "disk_bytes": 2 * SIZE}}
