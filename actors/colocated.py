@@ -21,13 +21,12 @@ def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserv
               shadow_bytes: int = 0) -> WorkerLoad:
     """A lock-free snapshot: never waits for a step (a scheduler polls it often), and may mix
     counters from just before and just after one; it only reads lengths and ints."""
-    engine = async_engine.engine
-    s = engine.stats()
+    s = async_engine.engine.stats()
     return WorkerLoad(name=name, kind=kind, num_running=s.num_running, num_waiting=s.num_waiting,
                       num_reserved=num_reserved, num_free_blocks=s.num_blocks_free,
                       num_total_blocks=s.num_blocks_total, last_step_s=s.last_step_s,
                       healthy=async_engine.is_alive, rss_bytes=process_rss_bytes(), shadow_bytes=shadow_bytes,
-                      kv_blocks_by_tenant=tuple(sorted(engine.kv.pool.usage().items())),
+                      kv_blocks_by_tenant=s.kv_blocks_by_tenant,
                       offloaded_bytes=s.offloaded_bytes)
 
 

@@ -99,6 +99,8 @@ class ClusterBackend:
         workers = {name: {"kind": w.kind, "healthy": w.healthy, "running": w.num_running, "waiting": w.num_waiting,
                           "free_blocks": w.num_free_blocks, "total_blocks": w.num_total_blocks,
                           "rss_mib": w.rss_mib, "kv_shadow_mib": round(w.shadow_bytes / 2**20, 1),
+                          "kv_blocks_by_tenant": dict(w.kv_blocks_by_tenant),
+                          "kv_offloaded_mib": round(w.offloaded_bytes / 2**20, 1),
                           "kv_plan": w.kv_plan_report()}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}

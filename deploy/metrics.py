@@ -84,6 +84,11 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_worker_rss_bytes", _G, "Resident memory of the worker's process (bytes).", ("worker", "kind")),
     ("ferry_kv_shadow_bytes", _G, "Prefix-pool memory the KV shadows of a worker's running requests hold (bytes).",
      ("worker", "kind")),
+    ("ferry_kv_tenant_blocks", _G, "A worker's KV blocks charged to a tenant (in use + its cached prefixes).",
+     ("worker", "tenant")),
+    ("ferry_kv_offloaded_bytes", _G, "Host memory holding the KV of a worker's offloaded batch requests (bytes).",
+     ("worker", "kind")),
+    ("ferry_engine_offloads", _C, "Preempted batch requests whose KV an engine moved to host memory.", ("worker",)),
     ("ferry_prefix_hbm_lookup_tokens", _C, "Prompt tokens looked up in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_hbm_hit_tokens", _C, "Prompt tokens found in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_pool_lookups", _C, "Pool block lookups by answering tier: dram, disk, miss.", ("tier",)),
@@ -216,6 +221,7 @@ class ClusterMetricsExporter:
         self._m = _instruments({**CLUSTER_METRICS, **SEMANTIC_METRICS})
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last total per series
         self._workers: dict[str, str] = {}  # every worker ever reported -> its kind
+        self._kv_tenants: dict[str, set[str]] = {}  # worker -> tenants it ever charged KV blocks to
 
     def _increase(self, name: str, total: float, tags: dict[str, str] | None = None) -> float:
         key = (name, tuple(sorted((tags or {}).items())))
@@ -244,10 +250,16 @@ class ClusterMetricsExporter:
             if w.rss_bytes:
                 m["ferry_worker_rss_bytes"].set(w.rss_bytes, tags)
             m["ferry_kv_shadow_bytes"].set(w.shadow_bytes, tags)
+            m["ferry_kv_offloaded_bytes"].set(w.offloaded_bytes, tags)
+            now = {tenant or "-": n for tenant, n in w.kv_blocks_by_tenant}
+            for tenant in self._kv_tenants.setdefault(w.name, set()) | set(now):  # a tenant gone drops to 0
+                m["ferry_kv_tenant_blocks"].set(now.get(tenant, 0), {"worker": w.name, "tenant": tenant})
+            self._kv_tenants[w.name] |= set(now)
         for name, e in snap.engines.items():
             self._add_total("ferry_prefix_hbm_lookup_tokens", e.num_prefix_queried_tokens, {"worker": name})
             self._add_total("ferry_prefix_hbm_hit_tokens", e.num_prefix_hit_tokens, {"worker": name})
             self._add_total("ferry_engine_preemptions", e.num_preemptions, {"worker": name})
+            self._add_total("ferry_engine_offloads", e.num_offloads, {"worker": name})
         if snap.pool is not None:
             p = snap.pool
             for tier, n in (("dram", p.num_hits_dram), ("disk", p.num_hits_disk), ("miss", p.num_misses)):

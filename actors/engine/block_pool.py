@@ -74,8 +74,8 @@ class BlockPool:
 
     def usage(self) -> dict[str, int]:
         """Blocks charged to each tenant: in use, plus free ones still holding its cached prefixes."""
-        out = dict(self.in_use)
-        for tenant, blocks in self._cached_free.items():
+        out = dict(self.in_use)  # copies in one C call: safe to read from another thread (load polls)
+        for tenant, blocks in list(self._cached_free.items()):
             out[tenant] = out.get(tenant, 0) + len(blocks)
         return {t: n for t, n in out.items() if n}
 

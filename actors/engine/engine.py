@@ -202,8 +202,8 @@ class Engine:
         self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
         return True
 
-    def is_reserved(self, request_id: str) -> bool:  # blocks wait for the request's KV, not yet committed
-        return request_id in self._reserved
+    def is_reserved(self, request_id: str) -> bool:
+        return request_id in self._reserved  # blocks wait for the request's KV, not yet committed
 
     def cancel_reservation(self, request_id: str) -> bool:
         """KV that never arrived: frees the reserved blocks."""
@@ -213,14 +213,14 @@ class Engine:
         self.kv.free(req)
         return True
 
-    def import_cached_blocks(self, block_hashes: Sequence[BlockHash], kv: torch.Tensor) -> int:
-        """Writes blocks fetched from the prefix-cache pool (`kv`: [L, 2, n, block_size, Hkv, D]) into
-        this engine's prefix cache, free-but-cached under their hashes; how many (0: no room)."""
+    def import_cached_blocks(self, block_hashes: Sequence[BlockHash], kv: torch.Tensor, tenant: str = "") -> int:
+        """Writes blocks fetched from the prefix-cache pool (`kv`: [L, 2, n, block_size, Hkv, D]) into this
+        engine's prefix cache, free-but-cached under their hashes, charged to `tenant`; how many (0: no room)."""
         n = len(block_hashes)
         assert kv.shape[2] == n
         if not self.cfg.enable_prefix_caching or n == 0 or not self.kv.pool.can_allocate(n):
             return 0
-        blocks = self.kv.pool.allocate(n)
+        blocks = self.kv.pool.allocate(n, tenant)
         self.runner.write_blocks([b.block_id for b in blocks], kv)
         for block, block_hash in zip(blocks, block_hashes):
             self.kv.pool.cache_block(block, block_hash)
@@ -329,10 +329,7 @@ class Engine:
 
     def take_step_records(self) -> list[StepRecord]:
         """The steps since the last call (the newest `STEP_RECORDS_KEPT` at most), oldest first."""
-        out = []
-        while self._step_records:
-            out.append(self._step_records.popleft())
-        return out
+        return [self._step_records.popleft() for _ in range(len(self._step_records))]
 
     def cached_block_hashes(self) -> list[BlockHash]:
         """Hashes of the prefix blocks this engine holds (in use or evictable): what a router
@@ -389,6 +386,7 @@ class Engine:
             num_evictions=pool.num_evictions,
             num_offloads=self.scheduler.offload.num_offloads,
             offloaded_bytes=self.scheduler.offload.used_bytes,
+            kv_blocks_by_tenant=tuple(sorted(self.kv.pool.usage().items())),
             num_steps=self._num_steps,
             num_forwarded_tokens=self._num_forwarded_tokens,
             last_step_s=self._last_step_s,

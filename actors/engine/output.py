@@ -69,6 +69,7 @@ class EngineStats:
     last_step_s: float
     num_offloads: int = 0  # preempted batch requests whose KV went to host memory (and came back)
     offloaded_bytes: int = 0  # host memory their KV takes now
+    kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()  # blocks charged to each tenant (block_pool.py)
 
     @property
     def num_blocks_used(self) -> int:

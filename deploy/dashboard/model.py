@@ -36,6 +36,7 @@ class TenantFigures:
     tpot_p99_ms: float | None
     slo: SloTargets | None  # None: "no SLO" (batch tenants, or none configured)
     slo_attainment: float | None  # fraction meeting both targets; None without an SLO or requests
+    kv_blocks: int = 0  # engine KV blocks charged to it now, over every worker (in use + its cached prefixes)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class WorkerFigures:
     kv_blocks_total: int
     last_step_ms: float
     rss_mib: int | None = None  # the worker process's resident memory
+    kv_blocks_by_tenant: dict[str, int] = field(default_factory=dict)  # the engine's blocks charged to each
+    offloaded_mib: float = 0.0  # host memory holding preempted batch requests' KV
 
 
 @dataclass(frozen=True)

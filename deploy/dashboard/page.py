@@ -58,11 +58,11 @@ svg text { fill:var(--muted); font-size:11px; font-family:system-ui, sans-serif;
 </div></section>
 <section class="wide tbl"><h2>Tenants: latency against SLO targets (over the window)</h2>
 <table id="tenants"><thead><tr><th>tenant</th><th>completed</th><th>running</th><th>TTFT P50</th><th>TTFT P99</th>
-<th>TTFT SLO</th><th>TPOT P50</th><th>TPOT P99</th><th>TPOT SLO</th><th>SLO met</th></tr></thead><tbody></tbody></table>
+<th>TTFT SLO</th><th>TPOT P50</th><th>TPOT P99</th><th>TPOT SLO</th><th>SLO met</th><th>KV blocks</th></tr></thead><tbody></tbody></table>
 </section>
 <section class="wide tbl"><h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>kind</th><th>running</th><th>waiting</th><th>reserved</th>
-<th>KV blocks used</th><th>KV use</th><th>last step</th><th>memory</th></tr></thead><tbody></tbody></table></section>
+<th>KV blocks used</th><th>KV use</th><th>KV by tenant</th><th>offloaded</th><th>last step</th><th>memory</th></tr></thead><tbody></tbody></table></section>
 <section class="tbl"><h2>Prefix cache hit rate by tier</h2>
 <table id="tiers"><thead><tr><th>tier</th><th>hits</th><th>lookups</th><th>hit rate</th><th></th></tr></thead>
 <tbody></tbody></table></section>
@@ -120,6 +120,7 @@ function renderTenants(tenants) {
     cell(tr, "tpot_p99_ms", fmtMs(t.tpot_p99_ms), versus(t.tpot_p99_ms, slo && slo.tpot_ms));
     cell(tr, "tpot_slo_ms", slo ? fmtMs(slo.tpot_ms) : "no SLO", "muted");
     cell(tr, "slo_attainment", slo ? fmtPct(t.slo_attainment) : "no SLO", slo ? "" : "muted");
+    cell(tr, "kv_blocks", String(t.kv_blocks || 0));
     return tr;
   }));
 }
@@ -138,6 +139,9 @@ function renderWorkers(workers) {
     cell(tr, "kv_blocks", w.kv_blocks_used + " / " + w.kv_blocks_total);
     const use = w.kv_blocks_total ? w.kv_blocks_used / w.kv_blocks_total : 0;
     cell(tr, "kv_use", "").appendChild(meter(use, use > 0.9 ? "var(--bad)" : null));
+    const byTenant = Object.entries(w.kv_blocks_by_tenant || {}).map(([t, n]) => (t || "-") + ": " + n).join(", ");
+    cell(tr, "kv_by_tenant", byTenant || "-");
+    cell(tr, "offloaded_mib", w.offloaded_mib ? w.offloaded_mib + " MiB" : "-");
     cell(tr, "last_step_ms", fmtMs(w.last_step_ms));
     cell(tr, "rss_mib", w.rss_mib == null ? "-" : w.rss_mib + " MiB");
     return tr;

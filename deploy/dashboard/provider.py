@@ -116,7 +116,8 @@ class BackendTimelines:
 def load_of_engine(name: str, stats: EngineStats, *, healthy: bool, kind: WorkerKind = "colocated") -> WorkerLoad:
     """The load of an engine running in this process (its memory is this process's)."""
     return WorkerLoad(name, kind, stats.num_running, stats.num_waiting, 0, stats.num_blocks_free,
-                      stats.num_blocks_total, stats.last_step_s, healthy, process_rss_bytes())
+                      stats.num_blocks_total, stats.last_step_s, healthy, process_rss_bytes(),
+                      kv_blocks_by_tenant=stats.kv_blocks_by_tenant, offloaded_bytes=stats.offloaded_bytes)
 
 
 class EngineSource:
@@ -234,7 +235,7 @@ class TimelineDashboard:
         refusals = dict(self.sources.refusals.refusals()) if self.sources.refusals is not None else {}
         return DashboardData(
             generated_at_unix_s=now, window_s=self.window_s, throughput=throughput,
-            tenants=self._tenants(records, done), workers=[_worker(w) for w in sorted(
+            tenants=self._tenants(records, done, loads.values()), workers=[_worker(w) for w in sorted(
                 loads.values(), key=lambda w: (w.kind, w.name))],
             tiers=[TierFigures(t, unit[t], c.hits, c.lookups, hit_rate(c)) for t, c in sorted(tiers.items())],
             refusals=refusals, recent=[_bar(r) for r in records[: self.num_recent]], notes=notes,
@@ -250,9 +251,14 @@ class TimelineDashboard:
             notes.append(f"{what} unavailable: {type(e).__name__}: {e}")
             return None
 
-    def _tenants(self, records: list[RequestRecord], done: list[RequestRecord]) -> list[TenantFigures]:
+    def _tenants(self, records: list[RequestRecord], done: list[RequestRecord],
+                 loads: Iterable[WorkerLoad] = ()) -> list[TenantFigures]:
         slos = self.sources.slos
-        names = {r.tenant for r in records if not r.finished} | {r.tenant for r in done}
+        kv: dict[str, int] = {}
+        for w in loads:
+            for tenant, n in w.kv_blocks_by_tenant:
+                kv[tenant] = kv.get(tenant, 0) + n
+        names = {r.tenant for r in records if not r.finished} | {r.tenant for r in done} | {t for t in kv if t}
         names |= set(slos.known_tenants()) if slos is not None else set()
         out = []
         for name in sorted(names):
@@ -267,6 +273,7 @@ class TimelineDashboard:
                 num_output_tokens=sum(r.num_output_tokens for r in mine),
                 ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
                 tpot_p50_ms=percentile(tpot, 50), tpot_p99_ms=percentile(tpot, 99), slo=slo, slo_attainment=met,
+                kv_blocks=kv.get(name, 0),
             ))
         return out
 
@@ -274,7 +281,7 @@ class TimelineDashboard:
 def _worker(w: WorkerLoad) -> WorkerFigures:
     return WorkerFigures(w.name, w.kind, w.healthy, w.num_running, w.num_waiting, w.num_reserved,
                          w.num_total_blocks - w.num_free_blocks, w.num_total_blocks, w.last_step_s * 1e3,
-                         w.rss_mib)
+                         w.rss_mib, dict(w.kv_blocks_by_tenant), round(w.offloaded_bytes / 2**20, 1))
 
 
 def _bar(r: RequestRecord) -> RequestBar:

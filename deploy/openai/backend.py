@@ -118,7 +118,7 @@ class EngineBackend:
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
         trace = self.timelines.open(request_id, tenant)
         stream: AsyncIterator[RequestOutput] = self.async_engine.generate(
-            request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant)))
+            request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant), tenant=tenant))
         started = finished = False
         try:
             async for out in stream:

@@ -34,7 +34,12 @@ def test_data_reports_the_requests_that_ran(traffic: Served) -> None:
     assert data["workers"] == [{
         "name": "engine-0", "kind": "colocated", "healthy": True, "num_running": 0, "num_waiting": 0,
         "num_reserved": 0, "kv_blocks_used": stats.num_blocks_used, "kv_blocks_total": NUM_BLOCKS,
-        "last_step_ms": stats.last_step_s * 1e3}]
+        "last_step_ms": stats.last_step_s * 1e3, "kv_blocks_by_tenant": dict(stats.kv_blocks_by_tenant),
+        "offloaded_mib": 0.0}]
+    # Their cached prompts stay charged to the tenants that computed them.
+    assert {t: n > 0 for t, n in stats.kv_blocks_by_tenant if t} == {"tenant-a": True, "tenant-b": True}
+    assert {t["tenant"]: t["kv_blocks"] for t in data["tenants"]} == {
+        t: n for t, n in stats.kv_blocks_by_tenant if t}
     # The engine's own counters, since the dashboard started (it started with the engine).
     hbm = {t["tier"]: t for t in data["tiers"]}["hbm"]
     assert (hbm["hits"], hbm["lookups"]) == (stats.num_prefix_hit_tokens, stats.num_prefix_queried_tokens)
