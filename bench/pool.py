@@ -16,7 +16,7 @@ runs one), real KV block layout (SmolLM2-135M: 30 layers, 3 KV heads x 64, 16-to
   Payloads are real-sized (random bytes: what is measured does not depend on their content).
 - (c) per tier: hit rates, bytes moved and prefetch accuracy of the stores behind (a) and (b).
 
-    .venv/bin/python bench/pool.py [--prompt-tokens 1024] [--repeats 3] [--working-set 2] [--flood 1]
+    .venv/bin/python bench/pool.py [--parts tiers,tenants] [--prompt-tokens 1024] [--repeats 3] [--working-set 2] [--flood 1]
         [--flood-tokens 2048] [--rounds 4] [--dram-mib 64] [--disk-mib 128] [--threads 2] [--json]
 """
 
@@ -252,39 +252,46 @@ def tier_figures(s: dict[str, int]) -> dict[str, float]:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
-    tokens = doc_tokens(Tokenizer.load(model))
     block_bytes = block_payload_bytes(model)
+    out: dict[str, Any] = {"model": args.model, "block_bytes": block_bytes, "per_tier": {},
+                           "config": {k: v for k, v in vars(args).items() if k not in ("json", "tmp")}}
     with tempfile.TemporaryDirectory(prefix="ferry-pool-", dir=args.tmp) as tmp:
-        a = await tiers(args, model, tokens, tmp, block_bytes)
-        b = tenants(args, tmp, block_bytes)
-    c = {"tiers": tier_figures(a.pop("stats"))}
-    c.update({f"tenants {p}": tier_figures(r.pop("stats")) for p, r in b.items()})
-    return {"model": args.model, "config": {k: v for k, v in vars(args).items() if k not in ("json", "tmp")},
-            "block_bytes": block_bytes, "tiers": a, "tenants": b, "per_tier": c}
+        if "tiers" in args.parts:
+            out["tiers"] = await tiers(args, model, doc_tokens(Tokenizer.load(model)), tmp, block_bytes)
+            out["per_tier"]["tiers"] = tier_figures(out["tiers"].pop("stats"))
+        if "tenants" in args.parts:
+            out["tenants"] = tenants(args, tmp, block_bytes)
+            out["per_tier"].update({f"tenants {p}": tier_figures(r.pop("stats")) for p, r in out["tenants"].items()})
+    return out
 
 
 def render(f: dict[str, Any]) -> str:
     c = f["config"]
-    a = [[case, r["ttft_s"] * 1e3, r["vs_dram"], r["pool_blocks"], r["blocks_on_disk"], r["prefetch_s"] * 1e3]
-         for case, r in f["tiers"].items()]
-    b = [[p, r["b_hit_rate_solo"], r["b_hit_rate_flooded"], r["flooded_vs_solo"]] for p, r in f["tenants"].items()]
+    parts = []
+    if "tiers" in f:
+        a = [[case, r["ttft_s"] * 1e3, r["vs_dram"], r["pool_blocks"], r["blocks_on_disk"], r["prefetch_s"] * 1e3]
+             for case, r in f["tiers"].items()]
+        parts.append(format_table(
+            ["prefix", "prefill TTFT ms", "x DRAM", "pool blocks", "on disk", "prefetch ms"], a,
+            f"(a) {c['prompt_tokens']}-token prefix + {SUFFIX} new tokens, {f['block_bytes']:,}-byte blocks, "
+            f"median of {c['repeats']}"))
+    if "tenants" in f:
+        b = [[p, r["b_hit_rate_solo"], r["b_hit_rate_flooded"], r["flooded_vs_solo"]] for p, r in f["tenants"].items()]
+        parts.append(format_table(
+            ["policy", "b hit rate solo", "flooded", "flooded/solo"], b,
+            f"(b) b: {c['working_set']} x {c['prompt_tokens']}-token prefixes; flood: {c['flood']} unique "
+            f"{c['flood_tokens']}-token prompts per b request; DRAM {c['dram_mib']} MiB, disk {c['disk_mib']} MiB; "
+            f"{c['rounds']} rounds"))
     keys = list(next(iter(f["per_tier"].values())))
     t = [[name, *(r[k] for k in keys)] for name, r in f["per_tier"].items()]
-    return "\n\n".join([
-        format_table(["prefix", "prefill TTFT ms", "x DRAM", "pool blocks", "on disk", "prefetch ms"], a,
-                     f"(a) {c['prompt_tokens']}-token prefix + {SUFFIX} new tokens, {f['block_bytes']:,}-byte "
-                     f"blocks, median of {c['repeats']}"),
-        format_table(["policy", "b hit rate solo", "flooded", "flooded/solo"], b,
-                     f"(b) b: {c['working_set']} x {c['prompt_tokens']}-token prefixes; flood: {c['flood']} unique "
-                     f"{c['flood_tokens']}-token prompts per b request; DRAM {c['dram_mib']} MiB, disk "
-                     f"{c['disk_mib']} MiB; {c['rounds']} rounds"),
-        format_table(["store", *keys], t, "(c) per tier (flooded runs for b)"),
-    ])
+    parts.append(format_table(["store", *keys], t, "(c) per tier (flooded runs for b)"))
+    return "\n\n".join(parts)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--parts", default="tiers,tenants", help="comma-separated: tiers (a), tenants (b)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--working-set", type=int, default=2)
