@@ -164,11 +164,11 @@ class Engine:
         ids to write (`runner.write_blocks`), or None when the pool or the batch has no room now."""
         req = self._new_request(request_id, prompt_token_ids, params, options)
         assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
-        if len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs:
-            return None
         req.priority_rank = options.priority_rank
-        if self.scheduler.make_room(req, num_kv_tokens):
+        if self.scheduler.make_room(req, num_kv_tokens, need_row=self._rows_taken()):
             self.scheduler.offload.apply(self.runner)  # read out before this KV lands in those blocks
+        if self._rows_taken():
+            return None
         if not self.kv.allocate_slots(req, num_kv_tokens):
             return None
         req.num_computed_tokens = num_kv_tokens
@@ -201,6 +201,9 @@ class Engine:
         self.runner.write_blocks(block_ids, kv[:, :, : len(block_ids)])
         self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
         return True
+
+    def _rows_taken(self) -> bool:
+        return len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved  # blocks wait for the request's KV, not yet committed
@@ -332,8 +335,7 @@ class Engine:
         return [self._step_records.popleft() for _ in range(len(self._step_records))]
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Hashes of the prefix blocks this engine holds (in use or evictable): what a router
-        matches prompts against. O(cached blocks); call between steps (`AsyncEngine.locked`)."""
+        """Hashes of the prefix blocks held (in use or evictable); call between steps (`AsyncEngine.locked`)."""
         return self.kv.pool.cached_hashes()
 
     def _finish(self, req: Request, status: RequestStatus, make_output=None):  # type: ignore[no-untyped-def]

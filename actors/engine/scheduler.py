@@ -165,23 +165,25 @@ class Scheduler:
 
     def _make_room(self, batch: ScheduledBatch, budget: int) -> None:
         """`make_room` for the first waiting request's next chunk, which then stays first."""
-        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+        if not self.waiting:
             return
         head = self.waiting[0]
-        taken = self.make_room(head, min(head.num_tokens - head.num_computed_tokens, budget))
+        taken = self.make_room(head, min(head.num_tokens - head.num_computed_tokens, budget),
+                               need_row=len(self.running) >= self.cfg.max_num_seqs)
         if taken:
             batch.yielded.extend(taken)
             self.waiting.remove(head)  # a victim of its rank went ahead of it: the room is the head's
             self.waiting.appendleft(head)
 
-    def make_room(self, req: Request, num_tokens: int) -> list[Request]:
+    def make_room(self, req: Request, num_tokens: int, need_row: bool = False) -> list[Request]:
         """Frees blocks for `num_tokens` more of `req` (waiting, or being reserved for KV from
-        another engine) when it has a claim on them: it outranks running batch requests that can be
-        offloaded, or its tenant is below its guaranteed share and tenants above theirs run.
-        Nothing is taken unless enough can be; returns the requests taken from, newest first."""
+        another engine), and a row if `need_row` (every row taken), when it has a claim on them: it
+        outranks running batch requests that can be offloaded, or its tenant is below its guaranteed
+        share and tenants above theirs run. Nothing is taken unless enough can be; returns the
+        requests taken from, newest first."""
         need = self.kv.num_blocks_needed(req.num_computed_tokens + num_tokens) - self.kv.num_held_blocks(req.request_id)
         short = need - self.kv.pool.num_free_blocks
-        if short <= 0 or self.kv.over_share(req, num_tokens):
+        if (short <= 0 and not need_row) or self.kv.over_share(req, num_tokens):
             return []
         usage, total, shares = self.kv.pool.in_use, self.kv.pool.num_blocks, self.kv.shares
         below = shares.enabled and usage.get(req.tenant, 0) < shares.guarantee(req.tenant, total)
@@ -192,11 +194,11 @@ class Scheduler:
             return below and r.tenant != req.tenant and usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total)
 
         victims = [r for r in reversed(self.running) if yields(r)]
-        if sum(self.kv.num_held_blocks(r.request_id) for r in victims) < short:
+        if sum(self.kv.num_held_blocks(r.request_id) for r in victims) < short or (need_row and not victims):
             return []
-        taken = []
+        taken: list[Request] = []
         for victim in victims:
-            if self.kv.pool.num_free_blocks >= need:
+            if self.kv.pool.num_free_blocks >= need and (taken or not need_row):
                 break
             self._preempt(victim)
             taken.append(victim)

@@ -204,3 +204,22 @@ def test_block_pressure_takes_from_the_batch_request_first_and_offloads_it(tiny_
     assert done == want
     assert engine.stats().num_offloads == len(preempted)
     assert roomy.stats().num_forwarded_tokens == engine.stats().num_forwarded_tokens  # nothing recomputed
+
+
+def test_an_interactive_request_takes_a_batch_requests_row_which_resumes_later(tiny_llama_dir):
+    reqs = {"b0": (prompt(30, 6), 1), "b1": (prompt(30, 7), 1), "chat": (prompt(30, 8), 0)}
+    solo = make_engine(tiny_llama_dir)
+    for rid, (p, rank) in reqs.items():
+        solo.add_request(rid, p, greedy(30), RequestOptions(priority_rank=rank))
+    want = run_all(solo)
+    engine = make_engine(tiny_llama_dir, max_num_seqs=2)
+    for rid in ("b0", "b1"):
+        engine.add_request(rid, reqs[rid][0], greedy(30), RequestOptions(priority_rank=1))
+    for _ in range(5):
+        engine.step()
+    engine.add_request("chat", reqs["chat"][0], greedy(30))  # every row is a batch request's
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"b0", "chat"}  # the newest batch row gave way
+    assert engine.stats().num_offloads == 1
+    assert run_all(engine) == want
+    assert engine.stats().num_forwarded_tokens == solo.stats().num_forwarded_tokens
