@@ -115,8 +115,8 @@ class FerryIngress:
         else:
             self._deployment = start_pd(
                 worker_cfg, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
-                cache=cfg.to_cache_config(), num_cache=cfg.prefix_cache.num_stores, torch_threads=threads,
-                name_prefix="ferry", resources=resources,
+                cache=cfg.to_cache_config(self.scheduler_cfg.kv_shares()), num_cache=cfg.prefix_cache.num_stores,
+                torch_threads=threads, name_prefix="ferry", resources=resources,
             )
             router = router_for(self._deployment, self._router_config(), control=self._link,
                                 replace_dead=cfg.replace_dead_workers)
@@ -133,7 +133,7 @@ class FerryIngress:
     def _serve_workers(self, workers: dict[str, Any]) -> Router:
         """The router over the worker deployments' replicas (found on the first poll), after
         starting the prefix-cache stores their replicas wait for."""
-        cache = self.cfg.to_cache_config()
+        cache = self.cfg.to_cache_config(self.scheduler_cfg.kv_shares())
         if cache is not None and self.cfg.mode == "disaggregated":
             stores = start_store_actors(cache, self.cfg.prefix_cache.num_stores, id_prefix=STORE_PREFIX)
             self._stores = [s.actor for s in stores.values()]

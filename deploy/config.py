@@ -195,12 +195,15 @@ class AppConfig(ConfigSection):
         c = self.prefix_cache
         return max(1, c.num_stores * (c.dram_mib + c.disk_mib) * MIB // (2 * self.num_decode))
 
-    def to_cache_config(self) -> PrefixCacheConfig | None:
+    def to_cache_config(self, tenant_shares: TenantShares | None = None) -> PrefixCacheConfig | None:
+        """The prefix-cache stores' config; `tenant_shares`: the tenants' shares of each tier (the
+        scheduler section's `kv_shares()`, the same fractions as of the engines' blocks)."""
         c = self.prefix_cache
         if c.num_stores == 0:
             return None
         return PrefixCacheConfig(dram_bytes=c.dram_mib * MIB, disk_bytes=max(c.disk_mib, 1) * MIB,
-                                 disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0, eviction=c.eviction)
+                                 disk_dir=c.disk_dir, enable_disk=c.disk_mib > 0, eviction=c.eviction,
+                                 tenant_shares=tenant_shares or TenantShares())
 
     def to_router_config(self) -> RouterConfig:
         return RouterConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
