@@ -178,6 +178,10 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
             row["predicted_ms_mean"] = 1e3 * statistics.mean(s.result.kv_codec_predicted_s for s in mine)
             # the sender's own actual: encode + send measured, decode as it predicted
             row["sender_actual_ms_mean"] = 1e3 * statistics.mean(s.result.kv_codec_actual_s for s in mine)
+            row["requests"] = [{"prompt_tokens": s.num_prompt_tokens, "codec": s.result.kv_codec,
+                                "reason": s.result.kv_codec_reason, "total_ms": 1e3 * s.total_s,
+                                "predicted_ms": {c: 1e3 * t for c, t in s.result.kv_codec_predictions}}
+                               for s in mine]
         by_policy[policy] = row
     best = min(POLICIES[:3], key=lambda p: by_policy[p]["total_ms_mean"])
     return {"policies": by_policy, "best_fixed": best, "num_requests_per_policy": len(samples) // 4,

@@ -15,10 +15,9 @@ prior of its link class stands in:
 A slow link makes the bytes int8/fp8 save worth their encode and decode; a fast one does not,
 and none (bit-exact, nearly free to encode) wins. The policy is the set of codecs allowed: one
 codec forces it (a tenant that needs exact KV allows only none), all three let the prediction
-decide. Exploration keeps the estimates real: per peer, at most one transfer in `explore_every`
-takes an allowed codec other than the predicted best (one never tried on that peer first, else
-the least tried), and only one predicted within `explore_max_ratio` of the best unless it was
-never tried there. Each choice carries every allowed codec's prediction, for the request's
+decide. Exploration keeps the estimates real: per peer, a codec never sent there is tried every
+other transfer until each allowed one has been once; after that at most one transfer in
+`explore_every` takes the least tried codec predicted within `explore_max_ratio` of the best. Each choice carries every allowed codec's prediction, for the request's
 timeline and metrics. Thread-safe: a prefill worker ships from several threads.
 """
 
@@ -198,11 +197,15 @@ class CodecChooser:
             return CodecChoice(best, "predicted", state.link, names)
 
     def _exploration(self, state: _Peer, best: Compression, predicted: Mapping[Compression, float]) -> Compression | None:
-        # Caller holds _lock.
-        if state.num_choices - state.last_explore < self.cfg.explore_every:
+        # Caller holds _lock. A codec never sent to this peer is tried every other transfer until
+        # each has been once (its codec lines may rest on a start-up calibration taken under load,
+        # which only a real transfer corrects); after that, once per `explore_every`.
+        untried = [c for c in predicted if c != best and state.tries[c] == 0]
+        period = 2 if untried else self.cfg.explore_every
+        if state.num_choices - state.last_explore < period:
             return None
-        others = [c for c in predicted if c != best and (
-            state.tries[c] == 0 or predicted[c] <= self.cfg.explore_max_ratio * predicted[best])]
+        others = untried or [c for c in predicted if c != best
+                             and predicted[c] <= self.cfg.explore_max_ratio * predicted[best]]
         if not others:
             return None
         return min(others, key=lambda c: (state.tries[c], c))
