@@ -164,11 +164,12 @@ class PoolLink:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def import_prefix(async_engine: AsyncEngine, pool: PoolLink | None, reusable: Sequence[BlockHash]) -> tuple[int, int]:
+def import_prefix(async_engine: AsyncEngine, pool: PoolLink | None, reusable: Sequence[BlockHash],
+                  tenant: str = "") -> tuple[int, int]:
     """Before a prompt is computed: (leading blocks of `reusable` the engine's own prefix cache
-    holds, blocks fetched from the pool after those and imported into it), so the engine's
-    prefill reuses both like its own. Blocking (the engine lock, the pool). Imports 0 when the
-    engine has no free block to put them in: they are then simply recomputed."""
+    holds, blocks fetched from the pool after those and imported into it, charged to `tenant`), so
+    the engine's prefill reuses both like its own. Blocking (the engine lock, the pool). Imports 0
+    when the engine has no free block to put them in: they are then simply recomputed."""
     engine = async_engine.engine
     num_local = async_engine.locked(engine.cached_prefix_len, reusable)
     if pool is None or num_local >= len(reusable):
@@ -176,4 +177,4 @@ def import_prefix(async_engine: AsyncEngine, pool: PoolLink | None, reusable: Se
     got, kv = pool.fetch(reusable[num_local:])
     if kv is None:
         return num_local, 0
-    return num_local, async_engine.locked(engine.import_cached_blocks, got, kv)
+    return num_local, async_engine.locked(engine.import_cached_blocks, got, kv, tenant)

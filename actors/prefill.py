@@ -105,7 +105,7 @@ class PrefillWorker(ReportsTelemetry):
         num_prompt = req.num_prompt_tokens
         hashes = prompt_block_hashes(req, self.layout.block_size)
         reusable = hashes[: num_reusable_blocks(num_prompt, self.layout.block_size)]
-        num_local, num_pool = await self._call(import_prefix, self.engine, self.pool, reusable)
+        num_local, num_pool = await self._call(import_prefix, self.engine, self.pool, reusable, req.tenant)
         looked_up = time.time()
 
         final = None

@@ -46,7 +46,7 @@ class WholeRuns:
         if self.pool is not None and not req.output_token_ids and req.num_prompt_tokens >= 2:
             hashes = prompt_block_hashes(req, self.block_size)
             reusable = hashes[: num_reusable_blocks(req.num_prompt_tokens, self.block_size)]
-            await asyncio.to_thread(import_prefix, self.engine, self.pool, reusable)
+            await asyncio.to_thread(import_prefix, self.engine, self.pool, reusable, req.tenant)
         if self.shadows is not None:
             self.shadows.track(req.request_id, req)
         async for event in self.local.generate(req):
