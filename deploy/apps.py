@@ -47,6 +47,7 @@ from deploy.dashboard.monitoring import Monitoring
 from deploy.local import bind_replica_grpc_to_loopback
 from deploy.openai import build_api
 from deploy.openai.drain import DrainState
+from deploy.pool_source import PoolSource
 from deploy.scheduler_config import SchedulerSection
 from deploy.scaler import ReplicaScaler
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
@@ -84,6 +85,7 @@ class FerryIngress:
         self._link: SchedulerLink | None = None
         self._semantic_actor: Any = None
         self._stores: list[Any] = []
+        self._store_handles: dict[str, Any] = {}  # the prefix-cache stores, for /health and metrics
         self.scaler: ReplicaScaler | None = None
         self._worker_handles: dict[str, Any] = {}
         self.semantic: SemanticGlue | None = None
@@ -120,10 +122,13 @@ class FerryIngress:
             )
             router = router_for(self._deployment, self._router_config(), control=self._link,
                                 replace_dead=cfg.replace_dead_workers)
+            self._store_handles = dict(self._deployment.stores)
         max_len = cfg.engine.max_model_len or _context_of(path)
-        self.backend = ClusterBackend(router, self.tokenizer, _model_name(cfg.model), max_len)
+        pool = PoolSource(self._store_handles) if self._store_handles else None
+        self.backend = ClusterBackend(router, self.tokenizer, _model_name(cfg.model), max_len, pool=pool)
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
-        self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic)
+        self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic,
+                                     pool=pool)
         logger.info("ferry ingress up: %s mode, model %s, workers on %s (%s each)", cfg.mode, cfg.model,
                     resources.device, resources.actor_options())
 
@@ -137,6 +142,7 @@ class FerryIngress:
         if cache is not None and self.cfg.mode == "disaggregated":
             stores = start_store_actors(cache, self.cfg.prefix_cache.num_stores, id_prefix=STORE_PREFIX)
             self._stores = [s.actor for s in stores.values()]
+            self._store_handles = dict(stores)
         found = ServeWorkers(workers["decode"], workers.get("prefill"))
         replacer = ServeReplacer(found, self._wanted_replicas) if self.cfg.replace_dead_workers else None
         router = Router({}, {}, self._router_config(), control=self._link, replacer=replacer)

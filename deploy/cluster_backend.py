@@ -12,6 +12,7 @@ explicit or planned, and what capped it).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -28,16 +29,19 @@ from cluster.router.client import Router
 from deploy.openai.backend import Refused
 from deploy.openai.errors import ApiError
 from deploy.openai.timeline import TimelineRecorder
+from deploy.pool_source import PoolSource
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1.0
+POOL_HEALTH_TIMEOUT_S = 3.0
 
 
 class ClusterBackend:
     def __init__(self, client: Router, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 *, timeline_capacity: int = 1024) -> None:
+                 *, timeline_capacity: int = 1024, pool: PoolSource | None = None) -> None:
         self.client = client
+        self.pool = pool  # the prefix-cache pool's stores, for /health's prefix_pool section
         self._tokenizer = tokenizer
         self._model_name = model_name
         self._max_model_len = max_model_len
@@ -115,6 +119,11 @@ class ClusterBackend:
         stats = getattr(control, "stats", None)
         if control is not None and stats is not None:  # not on the request path: its state is detail only
             report["scheduler"] = {"available": control.available, **vars(stats)}
+        if self.pool is not None:
+            try:  # detail only: a store that does not answer is empty in it, never an unhealthy app
+                report["prefix_pool"] = await asyncio.wait_for(self.pool.health(), POOL_HEALTH_TIMEOUT_S)
+            except Exception as e:
+                report["prefix_pool"] = {"error": f"{type(e).__name__}: {e}"}
         return report
 
 

@@ -93,6 +93,14 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_prefix_hbm_hit_tokens", _C, "Prompt tokens found in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_pool_lookups", _C, "Pool block lookups by answering tier: dram, disk, miss.", ("tier",)),
     ("ferry_prefix_pool_bytes", _G, "Bytes held by the prefix-cache pool per tier.", ("tier",)),
+    ("ferry_prefix_pool_moved_bytes", _C, "Pool payload bytes moved: put into dram/disk, spilled (dram -> disk), "
+     "promoted (disk -> dram), served from dram/disk.", ("move",)),
+    ("ferry_prefix_pool_prefetch_blocks", _C, "Pool blocks a prefetch promoted, and of those read (used) or "
+     "evicted unread (wasted).", ("outcome",)),
+    ("ferry_prefix_pool_refused_blocks", _C, "Blocks a pool tier would not admit: worth less than what it holds "
+     "(value), or their tenant at its maximum share there (at_max).", ("tier", "reason")),
+    ("ferry_prefix_pool_evictions", _C, "Blocks leaving a pool tier for room: any, from a tenant above its "
+     "guarantee (share), a tenant at its maximum making room for itself (own).", ("tier", "reason")),
     ("ferry_engine_preemptions", _C, "Requests an engine preempted for lack of KV blocks.", ("worker",)),
     ("ferry_transfer_bytes", _C, "KV transport bytes on the wire, by direction.", ("transport", "peer", "direction")),
     ("ferry_transfer_raw_bytes", _C, "KV bytes sent, before compression.", ("transport", "peer")),
@@ -232,6 +240,23 @@ class ClusterMetricsExporter:
     def _add_total(self, name: str, total: float, tags: dict[str, str] | None = None) -> None:
         _inc(self._m[name], self._increase(name, total, tags), tags or {})
 
+    def _pool_flows(self, p: PrefixCacheStats) -> None:
+        """The pool's tier traffic: bytes moved, prefetch outcomes, refusals and evictions."""
+        for move, n in (("put_dram", p.bytes_put_dram), ("put_disk", p.bytes_put_disk), ("spilled", p.bytes_spilled),
+                        ("promoted", p.bytes_promoted), ("served_dram", p.bytes_served_dram),
+                        ("served_disk", p.bytes_served_disk)):
+            self._add_total("ferry_prefix_pool_moved_bytes", n, {"move": move})
+        for outcome, n in (("prefetched", p.num_prefetched), ("used", p.num_prefetch_used),
+                           ("wasted", p.num_prefetch_wasted)):
+            self._add_total("ferry_prefix_pool_prefetch_blocks", n, {"outcome": outcome})
+        for tier in ("dram", "disk"):
+            at_max = getattr(p, f"num_{tier}_refused_at_max")
+            for reason, n in (("value", getattr(p, f"num_{tier}_refused") - at_max), ("at_max", at_max)):
+                self._add_total("ferry_prefix_pool_refused_blocks", n, {"tier": tier, "reason": reason})
+            for reason, suffix in (("any", ""), ("share", "_share"), ("own", "_own")):
+                self._add_total("ferry_prefix_pool_evictions", getattr(p, f"num_{tier}_evictions{suffix}"),
+                                {"tier": tier, "reason": reason})
+
     def export(self, snap: ClusterSnapshot) -> None:
         m = self._m
         seen = {w.name for w in snap.loads}
@@ -266,6 +291,7 @@ class ClusterMetricsExporter:
                 self._add_total("ferry_prefix_pool_lookups", n, {"tier": tier})
             m["ferry_prefix_pool_bytes"].set(p.dram_bytes, {"tier": "dram"})
             m["ferry_prefix_pool_bytes"].set(p.disk_bytes, {"tier": "disk"})
+            self._pool_flows(p)
         for t in snap.transports:
             self._transport(t)
         if snap.scheduler is not None:

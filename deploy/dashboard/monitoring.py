@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
+from actors.prefix_cache.stats import PrefixCacheStats
 from actors.semantic_cache.stats import SemanticCacheStats
 from deploy.dashboard.provider import EngineSource, SloSource, TimelineDashboard, dashboard_for, load_of_engine
 from deploy.dashboard.routes import mount_dashboard
@@ -103,10 +104,14 @@ class SemanticStatsSource(Protocol):
     async def stats(self) -> SemanticCacheStats: ...
 
 
+class PoolStatsSource(Protocol):
+    async def stats(self) -> PrefixCacheStats: ...
+
+
 class Monitoring:
     def __init__(self, backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None, period_s: float = 5.0,
                  window_s: float = 60.0, access_key: str | None = None,
-                 semantic: SemanticStatsSource | None = None) -> None:
+                 semantic: SemanticStatsSource | None = None, pool: PoolStatsSource | None = None) -> None:
         assert period_s > 0
         self.request_metrics = RequestMetrics()
         self.exporter = ClusterMetricsExporter()
@@ -117,6 +122,7 @@ class Monitoring:
         self.period_s = period_s
         self.access_key = access_key
         self.semantic = semantic
+        self.pool = pool
 
     def mount(self, app: FastAPI) -> None:
         mount_dashboard(app, self.provider, access_key=self.access_key)
@@ -127,22 +133,23 @@ class Monitoring:
         and the semantic cache's stats. Engine, pool and transport stats of remote workers join
         once the workers report them."""
         source = self.provider.sources.loads
-        semantic = await self._semantic_stats()
+        semantic = await self._stats_of("semantic cache", self.semantic)
+        pool = await self._stats_of("prefix-cache pool", self.pool)
         if isinstance(source, EngineSource):
             stats = await source.stats()
             load = load_of_engine(source.name, stats, healthy=source.async_engine.is_alive)
-            return ClusterSnapshot(loads=(load,), engines={source.name: stats}, semantic=semantic)
+            return ClusterSnapshot(loads=(load,), engines={source.name: stats}, semantic=semantic, pool=pool)
         if source is not None:
-            return ClusterSnapshot(loads=tuple((await source.loads()).values()), semantic=semantic)
-        return ClusterSnapshot(semantic=semantic)
+            return ClusterSnapshot(loads=tuple((await source.loads()).values()), semantic=semantic, pool=pool)
+        return ClusterSnapshot(semantic=semantic, pool=pool)
 
-    async def _semantic_stats(self) -> SemanticCacheStats | None:
-        if self.semantic is None:
+    async def _stats_of(self, what: str, source: SemanticStatsSource | PoolStatsSource | None) -> Any:
+        if source is None:
             return None
         try:
-            return await self.semantic.stats()
+            return await source.stats()
         except Exception as e:  # the rest of the snapshot still counts
-            logger.warning("semantic cache stats unavailable: %r", e)
+            logger.warning("%s stats unavailable: %r", what, e)
             return None
 
     async def export_once(self) -> None:

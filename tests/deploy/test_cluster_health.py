@@ -84,3 +84,22 @@ def test_each_worker_reports_how_its_kv_pool_was_sized() -> None:
     assert (got["source"], got["device"], got["num_blocks"], got["max_tokens"]) == ("planned", "cuda:0", 4096, 65536)
     assert report["workers"]["d0"]["kv_plan"] is None  # a load without one (a worker that is down): unknown
     assert json.loads(json.dumps(report)) == report  # the plan travels as JSON-able figures
+
+
+def test_health_reports_the_prefix_pool_and_each_tenants_part_of_its_tiers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from actors.prefix_cache.config import PrefixCacheConfig
+    from actors.prefix_cache.handles import LocalStoreHandle
+    from actors.prefix_cache.store import PrefixCacheStore
+    from deploy.pool_source import PoolSource
+
+    cfg = PrefixCacheConfig(dram_bytes=4 << 20, disk_bytes=8 << 20, disk_dir=str(tmp_path))
+    store = PrefixCacheStore(cfg, "s0")
+    block = bytes(1 << 20)
+    store.put([(1, block), (2, block)], tenant="chat")
+    store.put([(3, block)], tenant="bulk")
+    assert store.get_prefix([1, 2, 9]) and store.get_prefix([7]) == []
+    backend = ClusterBackend(Client([load("p0", "prefill"), load("d0", "decode")]), None, "m", 100,  # type: ignore[arg-type]
+                             pool=PoolSource({"s0": LocalStoreHandle(store)}))
+    pool = asyncio.run(backend.health())["prefix_pool"]
+    assert pool["by_tenant"] == {"chat": {"dram_mib": 2.0, "disk_mib": 0.0}, "bulk": {"dram_mib": 1.0, "disk_mib": 0.0}}
+    assert pool["dram_mib"] == 3.0 and pool["hit_rate"] == round(2 / 4, 3)  # 2 hits, 2 misses (9, then 7)

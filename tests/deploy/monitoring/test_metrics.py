@@ -92,7 +92,9 @@ def test_cluster_snapshots_set_gauges_and_add_counter_increases(rec: Recorded) -
                      send_latency_ms_p50=3.0, send_latency_ms_p99=9.0, send_latency_ms_max=9.5)
     ex.export(ClusterSnapshot(
         loads=(load("d0", 3, 40, rss_bytes=1 << 30, shadow_bytes=3 << 20), load("d1", 1, 90)), engines={"d0": engine(100, 40)},
-        pool=PrefixCacheStats(num_hits_dram=5, num_hits_disk=1, num_misses=4, dram_bytes=2048),
+        pool=PrefixCacheStats(num_hits_dram=5, num_hits_disk=1, num_misses=4, dram_bytes=2048, bytes_spilled=700,
+                              bytes_promoted=300, num_prefetched=4, num_prefetch_used=3, num_dram_refused=5,
+                              num_dram_refused_at_max=2, num_dram_evictions=6, num_dram_evictions_share=4),
         transports=(TransportStats("p0", "nixl", {"d0": peer}, transfers_in_flight=1),),
         scheduler=SchedulerStats(num_recovered=2, num_preempted=1, num_refused={"tenant_over_budget": 3},
                                  num_in_flight=4)))
@@ -108,6 +110,10 @@ def test_cluster_snapshots_set_gauges_and_add_counter_increases(rec: Recorded) -
     assert rec.total("ferry_prefix_hbm_hit_tokens", worker="d0") == 40
     assert [rec.total("ferry_prefix_pool_lookups", tier=t) for t in ("dram", "disk", "miss")] == [5, 1, 4]
     assert rec.gauge("ferry_prefix_pool_bytes", tier="dram") == 2048
+    assert [rec.total("ferry_prefix_pool_moved_bytes", move=m) for m in ("spilled", "promoted")] == [700, 300]
+    assert [rec.total("ferry_prefix_pool_prefetch_blocks", outcome=o) for o in ("prefetched", "used")] == [4, 3]
+    assert [rec.total("ferry_prefix_pool_refused_blocks", tier="dram", reason=r) for r in ("value", "at_max")] == [3, 2]
+    assert [rec.total("ferry_prefix_pool_evictions", tier="dram", reason=r) for r in ("any", "share")] == [6, 4]
     assert rec.total("ferry_transfer_bytes", transport="p0", peer="d0", direction="sent") == 1000
     assert rec.total("ferry_transfer_raw_bytes", transport="p0", peer="d0") == 4000
     assert rec.total("ferry_transfer_failures", transport="p0", peer="d0", kind="timeout") == 1
