@@ -7,8 +7,10 @@ none, int8, fp8, and auto. Links: the in-process transport (`local`), the Ray ob
 node, NIXL over loopback when it imports, and an EMULATED cross-node link: the in-process transport
 throttled to `--emulated-gbps` (a NIC's rate; it stands in for a cross-node link, which this machine
 does not have). Prompts are windows of this repository's own docs (real text) of the given lengths.
-Each round sends every prompt once per policy, the policies in a rotating order; one warm-up
-request per worker first (not counted: it measures the peer's wire for auto as a first send would).
+Each round sends every prompt once per policy, the policies in a rotating order. A warm-up pass
+(every prompt once per policy) comes first and is reported apart: it computes the prompts, and it
+is auto's learning phase (its first sends to the peer, its first explorations); the rounds after
+it are the steady state a long-running worker is in.
 
 Per request: encode (sender, measured), send (until the receiver holds every shard), decode (the
 receiver's own `decode_shard` time, from its `ReceiverStats`): their sum is the transfer + codec
@@ -136,12 +138,15 @@ class LinkRun:
 
 
 async def run_link(link: Link, cfg: WorkerConfig, prompts: Sequence[list[int]], rounds: int,
-                   load: Callable[[], Engine]) -> list[Sample]:
+                   load: Callable[[], Engine]) -> tuple[list[Sample], list[Sample]]:
+    """(warm-up samples, measured samples)."""
     run = LinkRun(link, cfg, load(), load())
     try:
         await run.start()
-        for policy in POLICIES:  # warm-up: the first send to the peer, and the prompt's prefill
-            await run.send(policy, request(f"warm-{policy}", prompts[0]))
+        warm = []  # one pass over the prompts: their prefill, and auto's first sends to the peer
+        for i, prompt in enumerate(prompts):
+            for policy in POLICIES:
+                warm.append(await run.send(policy, request(f"warm-p{i}-{policy}", prompt)))
         samples = []
         for r in range(rounds):
             for i, prompt in enumerate(prompts):
@@ -149,7 +154,7 @@ async def run_link(link: Link, cfg: WorkerConfig, prompts: Sequence[list[int]], 
                 for policy in order:
                     samples.append(await run.send(policy, request(f"r{r}-p{i}-{policy}", prompt)))
             progress(f"codecs: {link.name}: round {r + 1}/{rounds}")
-        return samples
+        return warm, samples
     finally:
         run.close()
 
@@ -199,8 +204,8 @@ async def bench_codecs(lengths: Sequence[int], rounds: int, emulated_gbps: float
     figures: dict[str, Any] = {"prompt_tokens": list(lengths), "rounds": rounds, "links": {}}
     for link in links(emulated_gbps, wanted):
         progress(f"codecs: {link.name}")
-        samples = await run_link(link, cfg, prompts, rounds, lambda: Engine.from_pretrained(model, cfg.engine))
-        figures["links"][link.name] = summarize(samples)
+        warm, samples = await run_link(link, cfg, prompts, rounds, lambda: Engine.from_pretrained(model, cfg.engine))
+        figures["links"][link.name] = {**summarize(samples), "warmup": summarize(warm)}
     return figures
 
 
@@ -210,14 +215,17 @@ def render_codecs(f: dict[str, Any]) -> str:
         p = s["policies"]
         auto = p["auto"]
         mix = " ".join(f"{c}:{n}" for c, n in sorted(auto["chosen"].items()))
+        w = s["warmup"]["policies"]
         rows.append([name, *(p[k]["total_ms_mean"] for k in POLICIES), s["best_fixed"],
                      "yes" if s["auto_le_best_fixed"] else "NO", mix, auto["explored"],
-                     auto["predicted_ms_mean"], auto["sender_actual_ms_mean"]])
+                     auto["predicted_ms_mean"], auto["sender_actual_ms_mean"], w["auto"]["total_ms_mean"],
+                     w[s["warmup"]["best_fixed"]]["total_ms_mean"]])
     title = (f"KV transfer + codec time per request (encode + send + receiver decode, mean ms), prompts "
              f"{', '.join(map(str, f['prompt_tokens']))} tokens of real text, {f['rounds']} rounds; "
-             f"EMULATED = throttled, not a real NIC")
+             f"after a warm-up pass over the prompts (its means: last two columns); EMULATED = throttled, "
+             f"not a real NIC")
     heads = ["link", *(f"{k} ms" for k in POLICIES), "best fixed", "auto <= best", "auto chose", "explored",
-             "auto predicted ms", "auto actual ms"]
+             "auto predicted ms", "auto actual ms", "warm-up auto ms", "warm-up best ms"]
     detail = []
     for name, s in f["links"].items():
         for k in POLICIES:

@@ -17,7 +17,9 @@ and none (bit-exact, nearly free to encode) wins. The policy is the set of codec
 codec forces it (a tenant that needs exact KV allows only none), all three let the prediction
 decide. Exploration keeps the estimates real: per peer, a codec never sent there is tried every
 other transfer until each allowed one has been once; after that at most one transfer in
-`explore_every` takes the least tried codec predicted within `explore_max_ratio` of the best. Each choice carries every allowed codec's prediction, for the request's
+`explore_every` takes the least tried codec predicted within `explore_max_ratio` of the best. Only
+a transfer no larger than the peer's typical one (a decayed mean) explores, so a codec that is
+worse than predicted costs little. Each choice carries every allowed codec's prediction, for the request's
 timeline and metrics. Thread-safe: a prefill worker ships from several threads.
 """
 
@@ -77,8 +79,8 @@ def link_class(transport_kind: str, this_node: str, peer_node: str | None) -> Li
 
 @dataclass(frozen=True)
 class ChooserConfig:
-    explore_every: int = 8  # per peer: at most one exploring transfer in this many
-    explore_max_ratio: float = 2.0  # explore a codec tried before only if predicted within this of the best
+    explore_every: int = 16  # per peer: at most one exploring transfer in this many (once all were tried)
+    explore_max_ratio: float = 1.5  # explore a codec tried before only if predicted within this of the best
     decay: float = 0.2  # weight each older sample loses per new one (codec lines and wire lines)
 
     def __post_init__(self) -> None:
@@ -122,6 +124,7 @@ class _Peer:
     wire: LineFit
     num_choices: int = 0
     last_explore: int = 0
+    typical_raw: float = 0.0  # decayed mean of the raw bytes of its transfers
     tries: Counter[Compression] = field(default_factory=Counter)
 
 
@@ -189,8 +192,9 @@ class CodecChooser:
             if len(allowed) == 1:
                 return CodecChoice(allowed[0], "forced", state.link, names)
             state.num_choices += 1
+            state.typical_raw += (raw_bytes - state.typical_raw) * (1.0 if state.num_choices == 1 else self.cfg.decay)
             best = min(allowed, key=lambda c: (predicted[c], c))
-            explore = self._exploration(state, best, predicted)
+            explore = self._exploration(state, best, predicted) if raw_bytes <= state.typical_raw else None
             if explore is not None:
                 state.last_explore = state.num_choices
                 return CodecChoice(explore, "explore", state.link, names)

@@ -136,6 +136,15 @@ def test_exploration_tries_untried_codecs_early_then_stays_bounded() -> None:
     assert chooser.estimate("d").tries == {"none": 22, "int8": 1, "fp8": 1}
 
 
+def test_only_transfers_no_larger_than_the_typical_one_explore() -> None:
+    chooser = CodecChooser(costs(CPU, RATIO), ChooserConfig(explore_every=2))
+    chooser.set_link("d", "process")
+    sizes = [10 * MB, 40 * MB, 40 * MB, 2 * MB, 40 * MB, 1 * MB]
+    picks = [chooser.choose("d", size) for size in sizes]
+    # the 2nd and 3rd are due to explore but larger than the typical transfer; the 4th explores
+    assert [p.reason for p in picks] == ["predicted", "predicted", "predicted", "explore", "predicted", "explore"]
+
+
 def test_exploration_revisits_a_close_runner_up() -> None:
     near = {NONE: 0.001, INT8: 0.0012, FP8: 0.0012}
     chooser = CodecChooser(costs(near, {NONE: 1.0, INT8: 0.9, FP8: 0.9}), ChooserConfig(explore_every=3))
