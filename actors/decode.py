@@ -75,8 +75,12 @@ class DecodeWorker(ReportsTelemetry):
         self._sweep_unattached(time.monotonic())
         prompt = list(req.prompt_token_ids)
         engine: Engine = self.engine.engine
-        block_ids = self.engine.locked(
-            engine.reserve, req.request_id, prompt, req.params, req.engine_options(), num_kv_tokens=len(prompt) - 1)
+        args = (engine.reserve, req.request_id, prompt, req.params, req.engine_options())
+        block_ids = self.engine.locked(*args, num_kv_tokens=len(prompt) - 1)
+        if block_ids is None and self.engine.locked(engine.scheduler.may_yield_to, req.priority_rank, req.tenant):
+            # The room is a running batch request's (its KV can go to host memory), but not while
+            # a forward still writes its blocks: once more, between two steps.
+            block_ids = self.engine.between_steps(*args, num_kv_tokens=len(prompt) - 1)
         if block_ids is None:
             return False
         if self.shadows is not None:

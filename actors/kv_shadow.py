@@ -37,6 +37,7 @@ from actors.engine.block_hash import BlockHash, hash_block, hash_block_chain
 from actors.engine.block_hash import ROOT_HASH
 from actors.engine.engine import Engine
 from actors.engine.output import RequestOutput
+from actors.engine.request import RequestStatus
 from actors.messages import CacheKey, GenerationRequest
 from actors.pool_link import PoolLink
 
@@ -155,6 +156,8 @@ class KVShadows:
                     if not engine.is_reserved(request_id):  # aborted: its shadows stay for a resume
                         del self._tracked[request_id]
                         self._kept[t.epoch] = (now + self.keep_s, t.saved())
+                    continue
+                if req.status is not RequestStatus.RUNNING:  # queued, or preempted (its KV offloaded or dropped)
                     continue
                 live += self._shadow(engine, request_id, req.token_ids, req.num_computed_tokens, t, live)
 

@@ -49,6 +49,11 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        # `between_steps`: callers that must not overlap a forward (it may take a running request's
+        # blocks) wait for the step in flight to finish; the loop holds the next one for them.
+        self._step_done = threading.Condition(self._lock)
+        self._forward_running = False
+        self._num_between = 0
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stopped = False
         self._error: BaseException | None = None
@@ -124,6 +129,21 @@ class AsyncEngine:
             result = fn(*args, **kwargs)
         self._wakeup.set()
         return result
+
+    def between_steps(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`locked`, but also with no forward pass running: waits for the step in flight (at most
+        one), and the next waits for `fn`. For calls that may take a running request's blocks (a
+        reservation offloading a batch request's KV), which a forward in flight still writes."""
+        with self._lock:
+            self._num_between += 1
+            try:
+                self._step_done.wait_for(lambda: not self._forward_running or self._error is not None)
+                self._check_alive()
+                return fn(*args, **kwargs)
+            finally:
+                self._num_between -= 1
+                self._step_done.notify_all()
+                self._wakeup.set()
 
     def _open(self, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[RequestOutput | BaseException]:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -201,17 +221,21 @@ class AsyncEngine:
                 # The forward pass runs outside the lock, so adds, aborts and KV handoffs wait for
                 # bookkeeping only, never for a whole step.
                 with self._lock:
+                    self._step_done.wait_for(lambda: self._num_between == 0)
                     prepared = self.engine.prepare_step()
-                busy = prepared is not None
+                    self._forward_running = busy = prepared is not None
                 if busy:
                     logits = self.engine.runner.execute(prepared.chunks)
                     with self._lock:
                         outputs = self.engine.finish_step(prepared, logits)
+                        self._forward_running = False
+                        self._step_done.notify_all()
                         self._run_hooks(outputs)
             except BaseException as e:  # noqa: BLE001 - fail every stream, not silently
                 logger.exception("engine step failed")
                 with self._lock:
                     self._error = e
+                    self._step_done.notify_all()
                     for loop, queue in self._queues.values():
                         loop.call_soon_threadsafe(queue.put_nowait, EngineDeadSignal(e))
                     self._queues.clear()

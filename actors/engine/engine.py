@@ -165,7 +165,7 @@ class Engine:
         req = self._new_request(request_id, prompt_token_ids, params, options)
         assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
         req.priority_rank = options.priority_rank
-        if self.scheduler.make_room(req, num_kv_tokens, need_row=self._rows_taken()):
+        if self.scheduler.make_room(req, num_kv_tokens, need_row=self._rows_taken(), busy=self._executing):
             self.scheduler.offload.apply(self.runner)  # read out before this KV lands in those blocks
         if self._rows_taken():
             return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from actors.engine.config import EngineConfig
@@ -175,12 +176,13 @@ class Scheduler:
             self.waiting.remove(head)  # a victim of its rank went ahead of it: the room is the head's
             self.waiting.appendleft(head)
 
-    def make_room(self, req: Request, num_tokens: int, need_row: bool = False) -> list[Request]:
+    def make_room(self, req: Request, num_tokens: int, need_row: bool = False,
+                  busy: Collection[str] = ()) -> list[Request]:
         """Frees blocks for `num_tokens` more of `req` (waiting, or being reserved for KV from
         another engine), and a row if `need_row` (every row taken), when it has a claim on them: it
         outranks running batch requests that can be offloaded, or its tenant is below its guaranteed
-        share and tenants above theirs run. Nothing is taken unless enough can be; returns the
-        requests taken from, newest first."""
+        share and tenants above theirs run. Nothing is taken unless enough can be, nor from the
+        `busy` requests (those of a step whose forward runs now); returns those taken from."""
         need = self.kv.num_blocks_needed(req.num_computed_tokens + num_tokens) - self.kv.num_held_blocks(req.request_id)
         short = need - self.kv.pool.num_free_blocks
         if (short <= 0 and not need_row) or self.kv.over_share(req, num_tokens):
@@ -189,6 +191,8 @@ class Scheduler:
         below = shares.enabled and usage.get(req.tenant, 0) < shares.guarantee(req.tenant, total)
 
         def yields(r: Request) -> bool:
+            if r.request_id in busy:
+                return False
             if r.priority_rank > req.priority_rank and self._can_offload(r):
                 return True
             return below and r.tenant != req.tenant and usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total)
@@ -203,6 +207,13 @@ class Scheduler:
             self._preempt(victim)
             taken.append(victim)
         return taken
+
+    def may_yield_to(self, priority_rank: int, tenant: str) -> bool:
+        """Whether a running request might give room to a request of this rank and tenant
+        (`make_room`'s candidates, roughly): worth waiting for a step to end to try."""
+        shares, usage, total = self.kv.shares, self.kv.pool.in_use, self.kv.pool.num_blocks
+        below = shares.enabled and usage.get(tenant, 0) < shares.guarantee(tenant, total)
+        return any(r.priority_rank > priority_rank or (below and r.tenant != tenant) for r in self.running)
 
     def _can_offload(self, req: Request) -> bool:
         return req.priority_rank >= 1 and req.num_computed_tokens > 0 and self.offload.can_take(

@@ -145,3 +145,29 @@ def test_tokens_whose_text_is_held_back_never_ride_behind_text():
         for d in deltas:
             if d.new_text and not d.finished:
                 assert d.text == outputs[d.new_token_ids[-1] - 1].text and d.new_token_ids[-1] in (1, 2, 5)
+
+
+def test_between_steps_never_overlaps_a_forward(async_engine):
+    """`locked` calls may land while a forward runs (its requests are `_executing`); `between_steps`
+    calls never do, and the engine keeps stepping around them."""
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    def executing() -> int:
+        return len(async_engine.engine._executing)
+
+    async def main() -> tuple[list[int], int]:
+        stream = asyncio.ensure_future(_drain(async_engine.generate("long", [5, 17, 29, 31], long)))
+        seen = []
+        while not stream.done():
+            seen.append(await asyncio.to_thread(async_engine.between_steps, executing))
+        return seen, await stream
+
+    seen, num_tokens = asyncio.run(main())
+    assert num_tokens == 200 and len(seen) > 5 and max(seen) == 0
+
+
+async def _drain(stream) -> int:
+    n = 0
+    async for out in stream:
+        n += len(out.new_token_ids)
+    return n

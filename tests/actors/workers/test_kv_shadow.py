@@ -200,3 +200,41 @@ def test_no_pool_means_no_shadows(tiny_model_dir: Path) -> None:
 
     asyncio.run(main())
 
+
+
+def test_a_shadowed_batch_request_offloaded_for_an_interactive_one_keeps_its_tokens(tiny_model_dir: Path,
+                                                                                    tmp_path: Path) -> None:
+    """The decode engine has one row: the interactive request takes the batch request's row (its KV
+    goes to host memory), and the batch request, shadowed all along, finishes as it would alone."""
+    batch = GenerationRequest("b", random_tokens(53, seed=13), GREEDY_LONG, shadow_salt="b0", priority_rank=1)
+    chat = GenerationRequest("c", random_tokens(40, seed=14), SamplingParams(max_tokens=8, temperature=0,
+                                                                             ignore_eos=True))
+
+    async def main() -> None:
+        pool, _ = make_pool(tmp_path)
+        one_row = worker_config(tiny_model_dir, engine=EngineConfig(num_blocks=NUM_BLOCKS, max_num_seqs=1))
+        alone = await LocalCluster.start(worker_config(tiny_model_dir), pool=pool, decode_pool=True)
+        cluster = await LocalCluster.start(one_row, pool=pool, decode_pool=True)
+        try:
+            want = streamed_ids((await alone.run(replace(batch, request_id="b-alone"))).events)
+            decode = cluster.decode
+            assert decode is not None and await decode.announce(batch)
+            await cluster.prefills[0].prefill(batch, cluster.peer)
+            stream = decode.generate_after_kv("b")
+            got = []
+            async for event in stream:
+                got += event.output.new_token_ids
+                if len(got) >= 10:
+                    break
+            chat_run = asyncio.ensure_future(cluster.run(chat))  # no row left: the batch request's is taken
+            async for event in stream:
+                got += event.output.new_token_ids
+            assert len((await chat_run).events) > 0
+            assert got == want
+            assert decode.engine.engine.stats().num_offloads == 1
+            assert decode.shadow_stats().num_shadowed_blocks >= 4  # type: ignore[union-attr]
+        finally:
+            alone.close()
+            cluster.close()
+
+    asyncio.run(main())
