@@ -89,7 +89,7 @@ def links(emulated_gbps: float, wanted: Sequence[str] = LINK_KEYS) -> list[Link]
 
 
 @dataclass(frozen=True)
-class Sample:
+class CodecSample:
     policy: str
     num_prompt_tokens: int
     result: PrefillResult
@@ -122,14 +122,14 @@ class LinkRun:
         for p in self.prefills.values():
             self.peer = await p.add_peer(self.decode.transport_metadata())
 
-    async def send(self, policy: str, req: GenerationRequest) -> Sample:
+    async def send(self, policy: str, req: GenerationRequest) -> CodecSample:
         before = sum(self.decode.receiver_stats().decode_s.values())
         assert await self.decode.announce(req)
         result = await self.prefills[policy].prefill(req, self.peer)
         async for _ in self.decode.generate_after_kv(req.request_id):
             pass
         decode_s = sum(self.decode.receiver_stats().decode_s.values()) - before
-        return Sample(policy, req.num_prompt_tokens, result, decode_s)
+        return CodecSample(policy, req.num_prompt_tokens, result, decode_s)
 
     def close(self) -> None:
         for p in self.prefills.values():
@@ -138,14 +138,14 @@ class LinkRun:
 
 
 async def run_link(link: Link, cfg: WorkerConfig, prompts: Sequence[list[int]], rounds: int,
-                   load: Callable[[], Engine]) -> tuple[list[Sample], list[Sample]]:
+                   load: Callable[[], Engine]) -> tuple[list[CodecSample], list[CodecSample]]:
     """(warm-up samples, measured samples)."""
     run = LinkRun(link, cfg, load(), load())
     try:
         await run.start()
         # Warm-up: passes over the prompts (their prefill, auto's first sends to the peer) until
         # auto has tried every codec there, at most 3: its learning phase, reported apart.
-        warm: list[Sample] = []
+        warm: list[CodecSample] = []
         chooser = run.prefills["auto"].codecs
         for n in range(3):
             for i, prompt in enumerate(prompts):
@@ -170,7 +170,7 @@ def request(request_id: str, prompt: list[int]) -> GenerationRequest:
     return GenerationRequest(f"{request_id}-{uuid.uuid4().hex[:4]}", prompt, PARAMS, cache_salt=())
 
 
-def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
+def summarize(samples: Sequence[CodecSample]) -> dict[str, Any]:
     by_policy: dict[str, Any] = {}
     for policy in POLICIES:
         mine = [s for s in samples if s.policy == policy]
