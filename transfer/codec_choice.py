@@ -19,7 +19,8 @@ decide. Exploration keeps the estimates real: per peer, a codec never sent there
 other transfer until each allowed one has been once; after that at most one transfer in
 `explore_every` takes the least tried codec predicted within `explore_max_ratio` of the best. Only
 a transfer no larger than the peer's typical one (a decayed mean) explores, so a codec that is
-worse than predicted costs little. Each choice carries every allowed codec's prediction, for the request's
+worse than predicted costs little, and only one whose size-dependent time is worth learning
+(`explore_min_s`: not a few KB, whose choice buys nothing). Each choice carries every allowed codec's prediction, for the request's
 timeline and metrics. Thread-safe: a prefill worker ships from several threads.
 """
 
@@ -81,6 +82,10 @@ def link_class(transport_kind: str, this_node: str, peer_node: str | None) -> Li
 class ChooserConfig:
     explore_every: int = 16  # per peer: at most one exploring transfer in this many (once all were tried)
     explore_max_ratio: float = 1.5  # explore a codec tried before only if predicted within this of the best
+    # Only transfers whose size-dependent time (codecs + wire bytes, the fixed wire overhead left
+    # out) is predicted at least this long explore: a few KB teach nothing about the transfers
+    # where the choice matters, and a lossy codec there would buy nothing.
+    explore_min_s: float = 0.002
     decay: float = 0.2  # weight each older sample loses per new one (codec lines and wire lines)
 
     def __post_init__(self) -> None:
@@ -168,6 +173,11 @@ class CodecChooser:
         prior = self._priors[state.link]
         return state.wire.predict(wire_bytes, prior.overhead_s, 1.0 / prior.bandwidth_bytes_per_s)
 
+    def _wire_fixed_s(self, state: _Peer) -> float:
+        prior = self._priors[state.link]
+        fit = state.wire.line(prior.overhead_s, 1.0 / prior.bandwidth_bytes_per_s)
+        return prior.overhead_s if fit is None else fit[0]
+
     def _predict(self, state: _Peer, raw_bytes: int, codecs: Iterable[Compression]) -> dict[Compression, float]:
         out = {}
         for c in codecs:
@@ -194,7 +204,8 @@ class CodecChooser:
             state.num_choices += 1
             state.typical_raw += (raw_bytes - state.typical_raw) * (1.0 if state.num_choices == 1 else self.cfg.decay)
             best = min(allowed, key=lambda c: (predicted[c], c))
-            explore = self._exploration(state, best, predicted) if raw_bytes <= state.typical_raw else None
+            worth = raw_bytes <= state.typical_raw and predicted[best] - self._wire_fixed_s(state) >= self.cfg.explore_min_s
+            explore = self._exploration(state, best, predicted) if worth else None
             if explore is not None:
                 state.last_explore = state.num_choices
                 return CodecChoice(explore, "explore", state.link, names)

@@ -137,12 +137,29 @@ def test_exploration_tries_untried_codecs_early_then_stays_bounded() -> None:
 
 
 def test_only_transfers_no_larger_than_the_typical_one_explore() -> None:
-    chooser = CodecChooser(costs(CPU, RATIO), ChooserConfig(explore_every=2))
+    chooser = CodecChooser(costs(CPU, RATIO), ChooserConfig(explore_every=2, explore_min_s=0.0))
     chooser.set_link("d", "process")
     sizes = [10 * MB, 40 * MB, 40 * MB, 2 * MB, 40 * MB, 1 * MB]
     picks = [chooser.choose("d", size) for size in sizes]
     # the 2nd and 3rd are due to explore but larger than the typical transfer; the 4th explores
     assert [p.reason for p in picks] == ["predicted", "predicted", "predicted", "explore", "predicted", "explore"]
+
+
+def test_tiny_transfers_never_explore() -> None:
+    chooser = CodecChooser(costs(CPU, RATIO, {NONE: 1e-5, INT8: 2e-4, FP8: 1e-4}), ChooserConfig(explore_every=2))
+    chooser.set_link("d", "node")
+    for _ in range(6):  # a Ray call's 5 ms per send, whatever the size: it is not the codecs' to save
+        chooser.record("d", NONE, 30_000, 30_000, 1e-5, 0.005)
+    picks = [chooser.choose("d", 30_000) for _ in range(10)]
+    assert {(p.codec, p.reason) for p in picks} == {(NONE, "predicted")}
+    assert chooser.choose("d", 5 * MB).reason == "predicted"  # larger than the typical transfer
+    assert chooser.choose("d", 1 * MB).reason == "predicted"  # 1 MB: still under 2 ms of size-dependent work
+    eager = CodecChooser(costs(CPU, RATIO, {NONE: 1e-5, INT8: 2e-4, FP8: 1e-4}),
+                         ChooserConfig(explore_every=2, explore_min_s=0.0))
+    eager.set_link("d", "node")
+    for _ in range(6):
+        eager.record("d", NONE, 30_000, 30_000, 1e-5, 0.005)
+    assert [eager.choose("d", 30_000).reason for _ in range(3)] == ["predicted", "explore", "predicted"]
 
 
 def test_exploration_revisits_a_close_runner_up() -> None:
