@@ -5,8 +5,8 @@ least squares over decayed samples (`LineFit`: each new sample weighs 1, every o
 `decay` of its weight, so the fit follows a machine whose load changes). A codec's encode and
 decode lines are over the KV's raw bytes; its wire ratio (wire bytes / raw bytes, headers
 included) is a decayed mean. `calibrate` seeds them once, when a worker starts: it encodes and
-decodes random KV of the worker's own layout, dtype and device at two sizes (a few blocks; about
-0.1-0.3 s for SmolLM2 on a CPU), so the chooser never starts from a guess about the codecs. Real
+decodes random KV of the worker's own layout, dtype and device at one block, ~1 MiB and ~8 MiB
+(about 0.1-0.3 s for SmolLM2 on a CPU), so the chooser never starts from a guess about the codecs. Real
 transfers then add their own samples (`CodecChooser.record`). The decode line stands for the
 receiver's cost too: both ends of a handoff run on the same class of hardware, and the receiver
 cannot report its own before the send returns.
@@ -108,12 +108,13 @@ def calibrate(layout: KVLayout, dtype: torch.dtype, device: torch.device | str =
               device_shards: bool = False, num_shards: int = 2, sizes_bytes: tuple[int, int] = (MIB, 8 * MIB),
               reps: int = 3, decay: float = 0.2) -> dict[Compression, CodecCost]:
     """Every codec's cost on KV of this layout, dtype and device, from encoding and decoding it at
-    two sizes (whole blocks, at least 1 and 4 of them), the fastest of `reps` runs each.
+    one block and two sizes (whole blocks, at least 1 and 4 of them), the fastest of `reps` runs each.
     `device_shards`: encode to the KV's device, as for a transport that moves device memory."""
     block_bytes = (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
                    * torch.empty((), dtype=dtype).element_size())
     small = max(1, sizes_bytes[0] // block_bytes)
-    counts = (small, max(4 * small, sizes_bytes[1] // block_bytes))
+    # one block too: the fixed costs (per layer group and per block) that small transfers are made of
+    counts = sorted({1, small, max(4 * small, sizes_bytes[1] // block_bytes)})
     shards = max(1, min(num_shards, layout.num_layers))
     costs = {c: CodecCost(c, decay=decay) for c in Compression}
     warm = random_kv(layout, 1, dtype, device)
