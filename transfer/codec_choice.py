@@ -13,7 +13,8 @@ prior of its link class stands in:
     cross_node  another node: a 10 GbE NIC (a GPU cluster's RDMA is
                 faster, and its first sends say so)                    1.25 GB/s, 1 ms
 A slow link makes the bytes int8/fp8 save worth their encode and decode; a fast one does not,
-and none (bit-exact, nearly free to encode) wins. The policy is the set of codecs allowed: one
+and none (bit-exact, nearly free to encode) wins. A lossy codec must be predicted to save a real
+margin over none (`lossy_min_gain_s` and `lossy_min_gain_ratio`): a near tie stays exact. The policy is the set of codecs allowed: one
 codec forces it (a tenant that needs exact KV allows only none), all three let the prediction
 decide. Exploration keeps the estimates real: per peer, a codec never sent there is tried every
 other transfer until each allowed one has been once; after that at most one transfer in
@@ -86,6 +87,10 @@ class ChooserConfig:
     # out) is predicted at least this long explore: a few KB teach nothing about the transfers
     # where the choice matters, and a lossy codec there would buy nothing.
     explore_min_s: float = 0.002
+    # Exact KV unless a lossy codec is predicted to save at least this much of none's time, and
+    # this share of it: a tie, or a gain within the estimates' noise, is never worth lossy KV.
+    lossy_min_gain_s: float = 0.001
+    lossy_min_gain_ratio: float = 0.05
     decay: float = 0.2  # weight each older sample loses per new one (codec lines and wire lines)
 
     def __post_init__(self) -> None:
@@ -204,6 +209,10 @@ class CodecChooser:
             state.num_choices += 1
             state.typical_raw += (raw_bytes - state.typical_raw) * (1.0 if state.num_choices == 1 else self.cfg.decay)
             best = min(allowed, key=lambda c: (predicted[c], c))
+            if Compression.NONE in predicted and best is not Compression.NONE:
+                exact = predicted[Compression.NONE]
+                if exact - predicted[best] < max(self.cfg.lossy_min_gain_s, self.cfg.lossy_min_gain_ratio * exact):
+                    best = Compression.NONE
             worth = raw_bytes <= state.typical_raw and predicted[best] - self._wire_fixed_s(state) >= self.cfg.explore_min_s
             explore = self._exploration(state, best, predicted) if worth else None
             if explore is not None:

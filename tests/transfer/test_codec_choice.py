@@ -85,6 +85,19 @@ def test_the_choice_switches_when_the_measured_bandwidth_changes() -> None:
     assert chooser.choose("d", 50 * MB).codec == NONE
 
 
+def test_a_near_tie_stays_exact() -> None:
+    # fp8 predicted 3% faster than none: within the margin, none; 10% faster: fp8
+    chooser = CodecChooser(costs({NONE: 1e-4, INT8: 1e-3, FP8: 1e-4}, {NONE: 1.0, INT8: 0.27, FP8: 0.97}), quiet())
+    chooser.set_link("d", "process")
+    choice = chooser.choose("d", 100 * MB)
+    assert choice.predicted_s["fp8"] < choice.predicted_s["none"] < 1.05 * choice.predicted_s["fp8"]
+    assert choice.codec == NONE and choice.reason == "predicted"
+    lax = CodecChooser(costs({NONE: 1e-4, INT8: 1e-3, FP8: 1e-4}, {NONE: 1.0, INT8: 0.27, FP8: 0.97}),
+                       quiet(lossy_min_gain_ratio=0.0, lossy_min_gain_s=0.0))
+    lax.set_link("d", "process")
+    assert lax.choose("d", 100 * MB).codec == FP8
+
+
 def test_link_priors_decide_before_any_send() -> None:
     chooser = CodecChooser(costs(CPU, RATIO), quiet(), default_link="cross_node")
     chooser.set_link("same-process", "process")
