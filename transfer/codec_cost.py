@@ -48,9 +48,9 @@ class LineFit:
 
     def line(self, prior_fixed: float, prior_per_byte: float) -> tuple[float, float] | None:
         """(fixed, per_byte), or None before any sample. Both are fitted when the samples' sizes
-        spread (a coefficient of variation over 10%); otherwise the mean is split between them in
-        the prior's proportion (the prior scaled to the measured mean), since one size cannot tell
-        a fixed cost from a per-byte one: a slow small send is not taken for a slow wire."""
+        spread (a coefficient of variation over 10%); otherwise one size cannot tell a fixed cost
+        from a per-byte one: a mean above the prior's adds to the fixed part (a slow small send is
+        not taken for a slow wire), one below scales the prior down."""
         if self.num_samples == 0:
             return None
         mx, my = self._x / self._w, max(0.0, self._y / self._w)
@@ -65,6 +65,8 @@ class LineFit:
         prior = prior_fixed + prior_per_byte * mx
         if prior <= 0:
             return 0.0, max(my / mx, MIN_PER_BYTE_S)
+        if my >= prior:  # slower than the prior: one size cannot say it is the bytes (queueing, a call's overhead)
+            return my - prior_per_byte * mx, max(prior_per_byte, MIN_PER_BYTE_S)
         scale = my / prior
         return scale * prior_fixed, max(scale * prior_per_byte, MIN_PER_BYTE_S)
 

@@ -206,9 +206,10 @@ def test_line_fit_separates_the_fixed_cost_from_the_per_byte_one() -> None:
     fixed, per_byte = fit.line(0.0, 0.0)  # type: ignore[misc]
     assert fixed == pytest.approx(0.003, rel=1e-6) and per_byte == pytest.approx(1 / 2e9, rel=1e-6)
     same = LineFit()
-    for _ in range(3):  # one size only: the mean, split in the prior's proportion
+    for _ in range(3):  # one size only: above the prior, the excess is fixed; below, the prior scales down
         same.add(1e6, 0.01)
-    assert same.line(0.001, 4e-9) == pytest.approx((0.002, 8e-9))
+    assert same.line(0.001, 4e-9) == pytest.approx((0.006, 4e-9))
+    assert same.line(0.01, 1e-8) == pytest.approx((0.005, 5e-9))
     assert same.line(0.0, 0.0) == pytest.approx((0.0, 1e-8))
 
 
