@@ -101,7 +101,8 @@ class KVReceiver:
     def stats(self) -> ReceiverStats:
         with self._lock:
             return ReceiverStats(len(self._pending), self._num_committed, self._num_expired, self._num_failed,
-                                 self._num_dropped, self._wire_bytes, dict(self._decode_s), dict(self._decoded_raw_bytes))
+                                 self._num_dropped, self._wire_bytes, dict(self._decode_s),
+                                 dict(self._decoded_raw_bytes))
 
     def close(self) -> None:
         self._stop.set()

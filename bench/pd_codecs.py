@@ -81,7 +81,8 @@ LINK_KEYS = ("local", "object_store", "nixl", "emulated")
 
 
 def links(emulated_gbps: float, wanted: Sequence[str] = LINK_KEYS) -> list[Link]:
-    out = [Link("local", "local (in-process)", "local"), Link("object_store", "object store (this node)", "object_store")]
+    out = [Link("local", "local (in-process)", "local"),
+           Link("object_store", "object store (this node)", "object_store")]
     if nixl_available():
         out.append(Link("nixl", "nixl (loopback)", "nixl"))
     out.append(Link("emulated", f"EMULATED {emulated_gbps:g} GB/s (throttled local)", "local", emulated_gbps * 1e9))

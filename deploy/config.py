@@ -184,7 +184,8 @@ class AppConfig(ConfigSection):
             transfer=TransferConfig(kind=t.kind, send_staging_bytes=staging, recv_staging_bytes=staging,
                                     ucx_net_devices=t.ucx_net_devices),
             compression=t.compression, tenant_compression=tuple(sorted((tenant_compression or {}).items())),
-            default_tenant_compression=default_tenant_compression, num_shards=t.num_shards, pool_compression=self.prefix_cache.compression,
+            default_tenant_compression=default_tenant_compression, num_shards=t.num_shards,
+            pool_compression=self.prefix_cache.compression,
             lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
             stream_interval=self.stream_interval, max_shadow_bytes=self.shadow_budget_bytes(),
         )

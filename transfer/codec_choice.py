@@ -12,17 +12,18 @@ prior of its link class stands in:
                 object store, CUDA IPC)                                4 GB/s, 1 ms
     cross_node  another node: a 10 GbE NIC (a GPU cluster's RDMA is
                 faster, and its first sends say so)                    1.25 GB/s, 1 ms
-A slow link makes the bytes int8/fp8 save worth their encode and decode; a fast one does not,
-and none (bit-exact, nearly free to encode) wins. A lossy codec must be predicted to save a real
-margin over none (`lossy_min_gain_s` and `lossy_min_gain_ratio`): a near tie stays exact. The policy is the set of codecs allowed: one
-codec forces it (a tenant that needs exact KV allows only none), all three let the prediction
-decide. Exploration keeps the estimates real: per peer, a codec never sent there is tried every
-other transfer until each allowed one has been once; after that at most one transfer in
-`explore_every` takes the least tried codec predicted within `explore_max_ratio` of the best. Only
-a transfer no larger than the peer's typical one (a decayed mean) explores, so a codec that is
-worse than predicted costs little, and only one whose size-dependent time is worth learning
-(`explore_min_s`: not a few KB, whose choice buys nothing). Each choice carries every allowed codec's prediction, for the request's
-timeline and metrics. Thread-safe: a prefill worker ships from several threads.
+A slow link makes the bytes int8/fp8 save worth their encode and decode; a fast one may not be,
+and none (bit-exact, though it still copies and checksums every byte) wins. A lossy codec must be
+predicted to save a real margin over none (`lossy_min_gain_s`, `lossy_min_gain_ratio`): a near
+tie stays exact. The policy is the set of codecs allowed: one codec forces it (a tenant that needs
+exact KV allows only none), all three let the prediction decide. Exploration keeps the estimates
+real: per peer, a codec never sent there is tried every other transfer until each allowed one has
+been once; after that at most one transfer in `explore_every` takes the least tried codec
+predicted within `explore_max_ratio` of the best. Only a transfer no larger than the peer's
+typical one (a decayed mean) explores, so a codec worse than predicted costs little, and only one
+whose size-dependent time is worth learning (`explore_min_s`: not a few KB, whose choice buys
+nothing). Each choice carries every allowed codec's prediction, for the request's timeline and
+metrics. Thread-safe: a prefill worker ships from several threads.
 """
 
 from __future__ import annotations
@@ -213,14 +214,16 @@ class CodecChooser:
                 exact = predicted[Compression.NONE]
                 if exact - predicted[best] < max(self.cfg.lossy_min_gain_s, self.cfg.lossy_min_gain_ratio * exact):
                     best = Compression.NONE
-            worth = raw_bytes <= state.typical_raw and predicted[best] - self._wire_fixed_s(state) >= self.cfg.explore_min_s
+            sized = predicted[best] - self._wire_fixed_s(state)  # what depends on the transfer's size
+            worth = raw_bytes <= state.typical_raw and sized >= self.cfg.explore_min_s
             explore = self._exploration(state, best, predicted) if worth else None
             if explore is not None:
                 state.last_explore = state.num_choices
                 return CodecChoice(explore, "explore", state.link, names)
             return CodecChoice(best, "predicted", state.link, names)
 
-    def _exploration(self, state: _Peer, best: Compression, predicted: Mapping[Compression, float]) -> Compression | None:
+    def _exploration(self, state: _Peer, best: Compression,
+                     predicted: Mapping[Compression, float]) -> Compression | None:
         # Caller holds _lock. A codec never sent to this peer is tried every other transfer until
         # each has been once (its codec lines may rest on a start-up calibration taken under load,
         # which only a real transfer corrects); after that, once per `explore_every`.

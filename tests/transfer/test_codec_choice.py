@@ -65,7 +65,8 @@ def test_the_least_predicted_codec_wins_and_predictions_add_up() -> None:
 
 def test_a_slow_link_favours_compression_and_a_fast_one_none() -> None:
     chooser = CodecChooser(costs(CPU, RATIO), quiet())
-    feed_wire(chooser, "slow", 0.5e9)  # 0.5 GB/s: 1 MB of none is 2 ms on the wire; fp8 saves 1.5 of them for 0.3 ms more codec
+    # 0.5 GB/s: 1 MB of none is 2 ms on the wire; fp8 saves 1.5 of them for 0.3 ms more codec
+    feed_wire(chooser, "slow", 0.5e9)
     feed_wire(chooser, "fast", 20e9)
     assert chooser.choose("slow", 50 * MB).codec == FP8
     assert chooser.choose("fast", 50 * MB).codec == NONE
