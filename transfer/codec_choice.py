@@ -87,10 +87,11 @@ class ChooserConfig:
     # Only transfers whose size-dependent time (codecs + wire bytes, the fixed wire overhead left
     # out) is predicted at least this long explore: a few KB teach nothing about the transfers
     # where the choice matters, and a lossy codec there would buy nothing.
-    explore_min_s: float = 0.002
+    explore_min_s: float = 0.005
     # Exact KV unless a lossy codec is predicted to save at least this much of none's time, and
-    # this share of it: a tie, or a gain within the estimates' noise, is never worth lossy KV.
-    lossy_min_gain_s: float = 0.001
+    # this share of it: a tie, or a gain within the estimates' noise (a start-up calibration on a
+    # loaded host can be off by a millisecond or two), is never worth lossy KV.
+    lossy_min_gain_s: float = 0.005
     lossy_min_gain_ratio: float = 0.05
     decay: float = 0.2  # weight each older sample loses per new one (codec lines and wire lines)
 
