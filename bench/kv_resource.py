@@ -3,10 +3,10 @@
 Two scenarios on the real model (SmolLM2-135M, this machine's dtype), each run in the same process
 with and without the mechanism, requests arriving on a wall-clock schedule while the engine steps:
 
-- shares: a quiet tenant sends chat requests that share a 768-token system prompt (plus 128 tokens
-  of its own each); a flooding tenant sends unique 1,024-token prompts at the same time. The engine's
-  KV pool holds a few prompts only, so under plain LRU the flood evicts the quiet tenant's cached
-  prompt between its requests. Reported: the quiet tenant's prefix-hit rate and TTFT (p50, p99)
+- shares: a quiet tenant sends a chat request every 4 s that shares a 768-token system prompt
+  (plus 128 tokens of its own); a flooding tenant sends a unique 1,024-token prompt every 2 s. The
+  engine's KV pool (128 blocks) holds two prompts, so under plain LRU the two flood prompts between
+  quiet requests evict the quiet tenant's cached prompt. Reported: the quiet tenant's prefix-hit rate and TTFT (p50, p99)
   alone, flooded with one shared pool, and flooded with a guaranteed share for it.
 - offload: two batch-class requests (1,024-token prompts, 160 output tokens) fill the pool; then
   interactive requests (512-token prompts) arrive. Without offload they wait for a batch request to
@@ -109,16 +109,17 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def shares_scenario(base: EngineConfig, text: list[int], num_quiet: int, num_flood: int) -> list[dict[str, Any]]:
+def shares_scenario(base: EngineConfig, text: list[int], num_quiet: int, flood_per_quiet: int) -> list[dict[str, Any]]:
     system = text[:768]
-    quiet = [Arrival(1.0 + 2.0 * i, f"q{i}", system + text[4000 + 128 * i: 4128 + 128 * i], 4,
+    # A quiet request every 4 s, a flood prompt every 4 / flood_per_quiet s: two flood prompts
+    # between quiet requests fill the pool with newer blocks than the quiet tenant's prompt.
+    quiet = [Arrival(1.0 + 4.0 * i, f"q{i}", system + text[4000 + 128 * i: 4128 + 128 * i], 4,
                      RequestOptions(tenant="quiet")) for i in range(num_quiet)]
-    flood = [Arrival(0.5 + (2.0 * num_quiet) * i / num_flood, f"f{i}",
-                     text[20000 + 1024 * i: 21024 + 1024 * i], 4, RequestOptions(tenant="flood"))
-             for i in range(num_flood)]
-    guarded = TenantShares.of_mapping({"quiet": TenantShare(guaranteed=0.3), "flood": TenantShare(max=0.9)})
+    flood = [Arrival(0.5 + 4.0 * i / flood_per_quiet, f"f{i}", text[20000 + 1024 * i: 21024 + 1024 * i], 4,
+                     RequestOptions(tenant="flood")) for i in range(num_quiet * flood_per_quiet)]
+    guarded = TenantShares.of_mapping({"quiet": TenantShare(guaranteed=0.45)})
     runs = [("quiet alone", quiet, TenantShares()), ("flooded, one shared pool", quiet + flood, TenantShares()),
-            ("flooded, quiet guaranteed 30%", quiet + flood, guarded)]
+            ("flooded, quiet guaranteed 45%", quiet + flood, guarded)]
     rows = []
     for name, arrivals, shares in runs:
         progress(f"shares: {name} ({len(arrivals)} requests)")
@@ -183,8 +184,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="shares,offload")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-quiet", type=int, default=8)
-    p.add_argument("--num-flood", type=int, default=8)
+    p.add_argument("--num-quiet", type=int, default=6)
+    p.add_argument("--flood-per-quiet", type=int, default=2, help="flood prompts per quiet request")
     p.add_argument("--num-chat", type=int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -194,7 +195,7 @@ def main() -> None:
     if "shares" in scenarios:
         cfg = EngineConfig(dtype=args.dtype, num_blocks=128)
         text = corpus_tokens(Engine.from_pretrained("smollm2", replace(cfg, num_blocks=16)))
-        figures["shares"] = shares_scenario(cfg, text, args.num_quiet, args.num_flood)
+        figures["shares"] = shares_scenario(cfg, text, args.num_quiet, args.flood_per_quiet)
     if "offload" in scenarios:
         cfg = EngineConfig(dtype=args.dtype, num_blocks=160)
         text = corpus_tokens(Engine.from_pretrained("smollm2", replace(cfg, num_blocks=16)))
