@@ -31,7 +31,7 @@ from ray.util import metrics as ray_metrics
 
 from actors.engine.output import EngineStats
 from actors.messages import WorkerLoad
-from actors.prefix_cache.stats import PrefixCacheStats
+from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
 from actors.semantic_cache.stats import SIMILARITY_EDGES, SemanticCacheStats
 from cluster.stats import SchedulerStats
 from deploy.dashboard.records import RequestRecord, record_from_timeline
@@ -93,6 +93,8 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_prefix_hbm_hit_tokens", _C, "Prompt tokens found in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_pool_lookups", _C, "Pool block lookups by answering tier: dram, disk, miss.", ("tier",)),
     ("ferry_prefix_pool_bytes", _G, "Bytes held by the prefix-cache pool per tier.", ("tier",)),
+    ("ferry_prefix_pool_tenant_bytes", _G, "Bytes a tenant's blocks take in each prefix-pool tier (its share).",
+     ("tenant", "tier")),
     ("ferry_prefix_pool_moved_bytes", _C, "Pool payload bytes moved: put into dram/disk, spilled (dram -> disk), "
      "promoted (disk -> dram), served from dram/disk.", ("move",)),
     ("ferry_prefix_pool_prefetch_blocks", _C, "Pool blocks a prefetch promoted, and of those read (used) or "
@@ -217,6 +219,7 @@ class ClusterSnapshot:
     loads: Sequence[WorkerLoad] = ()
     engines: Mapping[str, EngineStats] = field(default_factory=dict)  # by worker name
     pool: PrefixCacheStats | None = None  # the pool's total over its stores
+    pool_tenants: Mapping[str, TenantUse] = field(default_factory=dict)  # each tenant's bytes per tier
     transports: Sequence[TransportStats] = ()
     scheduler: SchedulerStats | None = None
     semantic: SemanticCacheStats | None = None
@@ -230,6 +233,7 @@ class ClusterMetricsExporter:
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last total per series
         self._workers: dict[str, str] = {}  # every worker ever reported -> its kind
         self._kv_tenants: dict[str, set[str]] = {}  # worker -> tenants it ever charged KV blocks to
+        self._pool_tenants: set[str] = set()  # tenants that ever held pool blocks
 
     def _increase(self, name: str, total: float, tags: dict[str, str] | None = None) -> float:
         key = (name, tuple(sorted((tags or {}).items())))
@@ -292,6 +296,12 @@ class ClusterMetricsExporter:
             m["ferry_prefix_pool_bytes"].set(p.dram_bytes, {"tier": "dram"})
             m["ferry_prefix_pool_bytes"].set(p.disk_bytes, {"tier": "disk"})
             self._pool_flows(p)
+        if snap.pool_tenants or self._pool_tenants:
+            self._pool_tenants |= set(snap.pool_tenants)
+            for tenant in self._pool_tenants:  # a tenant whose blocks are all gone drops to 0 bytes
+                use = snap.pool_tenants.get(tenant, TenantUse())
+                m["ferry_prefix_pool_tenant_bytes"].set(use.dram_bytes, {"tenant": tenant, "tier": "dram"})
+                m["ferry_prefix_pool_tenant_bytes"].set(use.disk_bytes, {"tenant": tenant, "tier": "disk"})
         for t in snap.transports:
             self._transport(t)
         if snap.scheduler is not None:

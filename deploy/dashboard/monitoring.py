@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
-from actors.prefix_cache.stats import PrefixCacheStats
+from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
 from actors.semantic_cache.stats import SemanticCacheStats
 from deploy.dashboard.provider import EngineSource, SloSource, TimelineDashboard, dashboard_for, load_of_engine
 from deploy.dashboard.routes import mount_dashboard
@@ -107,6 +107,8 @@ class SemanticStatsSource(Protocol):
 class PoolStatsSource(Protocol):
     async def stats(self) -> PrefixCacheStats: ...
 
+    async def tenant_usage(self) -> dict[str, TenantUse]: ...
+
 
 class Monitoring:
     def __init__(self, backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None, period_s: float = 5.0,
@@ -135,19 +137,22 @@ class Monitoring:
         source = self.provider.sources.loads
         semantic = await self._stats_of("semantic cache", self.semantic)
         pool = await self._stats_of("prefix-cache pool", self.pool)
+        tenants = await self._stats_of("prefix-cache pool tenants", self.pool, "tenant_usage") or {}
+        parts = {"semantic": semantic, "pool": pool, "pool_tenants": tenants}
         if isinstance(source, EngineSource):
             stats = await source.stats()
             load = load_of_engine(source.name, stats, healthy=source.async_engine.is_alive)
-            return ClusterSnapshot(loads=(load,), engines={source.name: stats}, semantic=semantic, pool=pool)
+            return ClusterSnapshot(loads=(load,), engines={source.name: stats}, **parts)
         if source is not None:
-            return ClusterSnapshot(loads=tuple((await source.loads()).values()), semantic=semantic, pool=pool)
-        return ClusterSnapshot(semantic=semantic, pool=pool)
+            return ClusterSnapshot(loads=tuple((await source.loads()).values()), **parts)
+        return ClusterSnapshot(**parts)
 
-    async def _stats_of(self, what: str, source: SemanticStatsSource | PoolStatsSource | None) -> Any:
+    async def _stats_of(self, what: str, source: SemanticStatsSource | PoolStatsSource | None,
+                        method: str = "stats") -> Any:
         if source is None:
             return None
         try:
-            return await source.stats()
+            return await getattr(source, method)()
         except Exception as e:  # the rest of the snapshot still counts
             logger.warning("%s stats unavailable: %r", what, e)
             return None

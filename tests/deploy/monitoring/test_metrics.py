@@ -16,7 +16,7 @@ from actors.engine.output import EngineStats, RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.errors import NoCapacity
 from actors.messages import WorkerLoad
-from actors.prefix_cache.stats import PrefixCacheStats
+from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
 from actors.semantic_cache.stats import SIMILARITY_EDGES, SemanticCacheStats
 from cluster.stats import SchedulerStats
 from deploy import metrics
@@ -122,7 +122,11 @@ def test_cluster_snapshots_set_gauges_and_add_counter_increases(rec: Recorded) -
     assert rec.gauge("ferry_scheduler_in_flight") == 4
 
     # Next poll: d1 is gone, d0's engine counted 50 more lookups and no hits (no zero increments).
+    ex.export(ClusterSnapshot(loads=(load("d0", 2, 50),), engines={"d0": engine(150, 40)},
+                              pool_tenants={"chat": TenantUse(3 << 20, 5 << 20)}))
+    assert rec.gauge("ferry_prefix_pool_tenant_bytes", tenant="chat", tier="disk") == 5 << 20
     ex.export(ClusterSnapshot(loads=(load("d0", 2, 50),), engines={"d0": engine(150, 40)}))
+    assert rec.gauge("ferry_prefix_pool_tenant_bytes", tenant="chat", tier="dram") == 0  # all its blocks gone
     assert rec.gauge("ferry_worker_healthy", worker="d1", kind="decode") == 0
     assert rec.gauge("ferry_worker_healthy", worker="d0", kind="decode") == 1
     assert rec.increments("ferry_prefix_hbm_lookup_tokens", worker="d0") == [100, 50]
@@ -176,6 +180,20 @@ def test_monitoring_snapshots_carry_the_semantic_cache_stats_when_it_answers() -
     source.fail = True
     assert asyncio.run(monitoring.snapshot()).semantic is None  # left out; the rest still exported
     assert asyncio.run(Monitoring(Scripted()).snapshot()).semantic is None
+
+
+def test_monitoring_snapshots_carry_the_prefix_pools_stats_and_tenants(tmp_path: Path) -> None:
+    from actors.prefix_cache.config import PrefixCacheConfig
+    from actors.prefix_cache.handles import LocalStoreHandle
+    from actors.prefix_cache.store import PrefixCacheStore
+    from deploy.pool_source import PoolSource
+
+    store = PrefixCacheStore(PrefixCacheConfig(dram_bytes=4 << 20, disk_dir=str(tmp_path)), "s0")
+    store.put([(1, bytes(1 << 20))], tenant="chat")
+    assert store.get_prefix([1, 2])
+    snap = asyncio.run(Monitoring(Scripted(), pool=PoolSource({"s0": LocalStoreHandle(store)})).snapshot())
+    assert snap.pool is not None and (snap.pool.num_hits_dram, snap.pool.num_misses) == (1, 1)
+    assert snap.pool_tenants == {"chat": TenantUse(1 << 20, 0)}
 
 
 class Scripted:
