@@ -35,6 +35,7 @@ from actors.engine.options import RequestOptions  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from actors.engine.shares import TenantShare, TenantShares  # noqa: E402
 from bench.common import format_table, progress, report  # noqa: E402
+from bench.sim.metrics import percentile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,11 +105,6 @@ def drive(engine: Engine, arrivals: list[Arrival]) -> dict[str, Outcome]:
     return seen
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def shares_scenario(base: EngineConfig, text: list[int], num_quiet: int, flood_per_quiet: int) -> list[dict[str, Any]]:
     system = text[:768]
     # A quiet request every 4 s, a flood prompt every 4 / flood_per_quiet s: two flood prompts
@@ -129,7 +125,7 @@ def shares_scenario(base: EngineConfig, text: list[int], num_quiet: int, flood_p
         q = [seen[a.request_id] for a in quiet][1:]  # the first one has nothing cached yet anywhere
         ttft = [o.ttft_s for o in q]
         rows.append({"run": name, "quiet_hit_rate": sum(o.num_cached for o in q) / sum(o.num_prompt for o in q),
-                     "quiet_ttft_p50_s": statistics.median(ttft), "quiet_ttft_p99_s": pct(ttft, 0.99),
+                     "quiet_ttft_p50_s": statistics.median(ttft), "quiet_ttft_p99_s": percentile(ttft, 99),
                      "evictions": engine.stats().num_evictions - warm_evictions, "num_blocks": engine.num_blocks})
     return rows
 

@@ -98,6 +98,15 @@ class KVCacheManager:
         used = self.pool.in_use.get(request.tenant, 0)
         return new + revived > 0 and self.shares.over_limit(request.tenant, used, new + revived, self.pool.num_blocks)
 
+    def above_guarantee(self, tenant: str) -> bool:
+        """Whether `tenant` holds more blocks in use than its guaranteed share."""
+        return self.pool.in_use.get(tenant, 0) > self.shares.guarantee(tenant, self.pool.num_blocks)
+
+    def below_guarantee(self, tenant: str) -> bool:
+        """Whether shares are on and `tenant` holds fewer blocks in use than its guarantee."""
+        return self.shares.enabled and self.pool.in_use.get(tenant, 0) < self.shares.guarantee(
+            tenant, self.pool.num_blocks)
+
     def num_held_blocks(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
 

@@ -15,7 +15,6 @@ but the pool's blocks are what is scarce: the copy frees them for others.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -23,15 +22,6 @@ from actors.engine.config import ModelConfig
 from actors.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OffloadStats:
-    capacity_bytes: int
-    used_bytes: int
-    num_offloaded: int  # requests held in host memory now
-    num_offloads: int  # times a request went out
-    num_restores: int  # times one came back
 
 
 class HostOffload:
@@ -45,8 +35,7 @@ class HostOffload:
         self._to_read: dict[str, list[int]] = {}  # claimed this step, read by `apply`
         self._to_write: dict[str, list[int]] = {}  # readmitted this step, written by `apply`
         self._bytes: dict[str, int] = {}
-        self.num_offloads = 0
-        self.num_restores = 0
+        self.num_offloads = 0  # times a request's KV went out
 
     @classmethod
     def for_model(cls, capacity_bytes: int, m: ModelConfig, block_size: int, dtype: torch.dtype) -> "HostOffload":
@@ -72,9 +61,6 @@ class HostOffload:
         """The request is back with fresh blocks: its KV is written into their first ones by `apply`."""
         self._to_write[request_id] = list(block_ids)
 
-    def num_blocks_of(self, request_id: str) -> int:
-        return self._bytes[request_id] // self.block_bytes
-
     def apply(self, runner: ModelRunner) -> None:
         """Between `schedule` and the forward: reads the claimed blocks out, then writes the readmitted
         requests' KV in (in that order: a readmitted request may get a block just claimed)."""
@@ -85,7 +71,6 @@ class HostOffload:
             kv = self._saved.pop(request_id)
             runner.write_blocks(block_ids[: kv.shape[2]], kv)
             self.used_bytes -= self._bytes.pop(request_id)
-            self.num_restores += 1
         self._to_write.clear()
 
     def drop(self, request_id: str) -> None:
@@ -96,7 +81,3 @@ class HostOffload:
             self._saved.pop(request_id, None)
             self._to_read.pop(request_id, None)
             self._to_write.pop(request_id, None)
-
-    def stats(self) -> OffloadStats:
-        return OffloadStats(self.capacity_bytes, self.used_bytes, len(self._bytes), self.num_offloads,
-                            self.num_restores)

@@ -56,7 +56,6 @@ class Request:
     # 0 interactive, 1 batch: waiting requests of a smaller rank are admitted first.
     priority_rank: int = 0
     tenant: str = ""  # charged for the request's KV blocks (the engine's per-tenant shares)
-    num_offloads: int = 0  # times its KV went to host memory to make room, and came back
     num_forwarded_tokens: int = 0  # every token this request ran through the model, recompute included
     # Resumed from saved KV: tokens from this position on are computed one per step, the way the
     # decode steps of the interrupted run computed them, so their KV (and what follows) has the

@@ -36,7 +36,6 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # to fit running requests' next tokens
-    yielded: list[Request] = field(default_factory=list)  # to make room for a waiting request
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +95,7 @@ class Scheduler:
         # rows, so a step without any (every running request still prefilling) lifts them.
         caps_apply = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         capped: int | None = None
-        self._make_room(batch, budget)
+        self._make_room(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -155,16 +154,13 @@ class Scheduler:
         the others, the most recently admitted first."""
         if self.kv.over_share(req, n):
             return [r for r in candidates if r.tenant == req.tenant][-1]
-        usage, total = self.kv.pool.in_use, self.kv.pool.num_blocks
-        shares = self.kv.shares
-
         def key(pair: tuple[int, Request]) -> tuple[int, bool, int]:
             i, r = pair
-            return r.priority_rank, usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total), i
+            return r.priority_rank, self.kv.above_guarantee(r.tenant), i
 
         return max(enumerate(candidates), key=key)[1]
 
-    def _make_room(self, batch: ScheduledBatch, budget: int) -> None:
+    def _make_room(self, budget: int) -> None:
         """`make_room` for the first waiting request's next chunk, which then stays first."""
         if not self.waiting:
             return
@@ -172,7 +168,6 @@ class Scheduler:
         taken = self.make_room(head, min(head.num_tokens - head.num_computed_tokens, budget),
                                need_row=len(self.running) >= self.cfg.max_num_seqs)
         if taken:
-            batch.yielded.extend(taken)
             self.waiting.remove(head)  # a victim of its rank went ahead of it: the room is the head's
             self.waiting.appendleft(head)
 
@@ -187,15 +182,14 @@ class Scheduler:
         short = need - self.kv.pool.num_free_blocks
         if (short <= 0 and not need_row) or self.kv.over_share(req, num_tokens):
             return []
-        usage, total, shares = self.kv.pool.in_use, self.kv.pool.num_blocks, self.kv.shares
-        below = shares.enabled and usage.get(req.tenant, 0) < shares.guarantee(req.tenant, total)
+        below = self.kv.below_guarantee(req.tenant)
 
         def yields(r: Request) -> bool:
             if r.request_id in busy:
                 return False
             if r.priority_rank > req.priority_rank and self._can_offload(r):
                 return True
-            return below and r.tenant != req.tenant and usage.get(r.tenant, 0) > shares.guarantee(r.tenant, total)
+            return below and r.tenant != req.tenant and self.kv.above_guarantee(r.tenant)
 
         victims = [r for r in reversed(self.running) if yields(r)]
         if sum(self.kv.num_held_blocks(r.request_id) for r in victims) < short or (need_row and not victims):
@@ -211,8 +205,7 @@ class Scheduler:
     def may_yield_to(self, priority_rank: int, tenant: str) -> bool:
         """Whether a running request might give room to a request of this rank and tenant
         (`make_room`'s candidates, roughly): worth waiting for a step to end to try."""
-        shares, usage, total = self.kv.shares, self.kv.pool.in_use, self.kv.pool.num_blocks
-        below = shares.enabled and usage.get(tenant, 0) < shares.guarantee(tenant, total)
+        below = self.kv.below_guarantee(tenant)
         return any(r.priority_rank > priority_rank or (below and r.tenant != tenant) for r in self.running)
 
     def _can_offload(self, req: Request) -> bool:
@@ -224,7 +217,6 @@ class Scheduler:
         if self._can_offload(req):
             num_blocks = self.kv.num_blocks_needed(req.num_computed_tokens)
             self.offload.claim(req.request_id, self.kv.block_ids(req.request_id)[:num_blocks])
-            req.num_offloads += 1
             logger.debug("offloaded %s (%d blocks to host memory)", req.request_id, num_blocks)
         else:
             req.num_computed_tokens = 0

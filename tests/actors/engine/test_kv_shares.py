@@ -36,6 +36,12 @@ def run_all(engine: Engine) -> dict[str, list[int]]:
     return done
 
 
+def add_all(engine: Engine, reqs: dict[str, tuple[list[int], int]], max_tokens: int) -> None:
+    """Adds `reqs` (id -> (prompt, priority rank)) in order, greedy."""
+    for rid, (p, rank) in reqs.items():
+        engine.add_request(rid, p, greedy(max_tokens), RequestOptions(priority_rank=rank))
+
+
 def cache(pool: BlockPool, tenant: str, n: int, first_hash: int) -> list[int]:
     """`n` blocks of `tenant`, computed, cached under hashes and freed: evictable prefixes."""
     blocks = pool.allocate(n, tenant)
@@ -185,13 +191,11 @@ def test_kv_handed_over_for_an_interactive_request_offloads_a_batch_request(tiny
 def test_block_pressure_takes_from_the_batch_request_first_and_offloads_it(tiny_llama_dir):
     params = {"chat0": (prompt(40, 3), 0), "batch": (prompt(40, 4), 1), "chat1": (prompt(40, 5), 0)}
     roomy = make_engine(tiny_llama_dir)
-    for rid, (p, rank) in params.items():
-        roomy.add_request(rid, p, greedy(40), RequestOptions(priority_rank=rank))
+    add_all(roomy, params, 40)
     want = run_all(roomy)
     # 3 blocks each for the prompts, 5 each at the end: 13 blocks cannot hold all three.
     engine = make_engine(tiny_llama_dir, num_blocks=13)
-    for rid, (p, rank) in params.items():  # chat1 is the newest, but batch gives way
-        engine.add_request(rid, p, greedy(40), RequestOptions(priority_rank=rank))
+    add_all(engine, params, 40)  # chat1 is the newest, but batch gives way
     preempted, done = [], {}
     while engine.has_unfinished_requests():
         prepared = engine.prepare_step()
@@ -209,12 +213,10 @@ def test_block_pressure_takes_from_the_batch_request_first_and_offloads_it(tiny_
 def test_an_interactive_request_takes_a_batch_requests_row_which_resumes_later(tiny_llama_dir):
     reqs = {"b0": (prompt(30, 6), 1), "b1": (prompt(30, 7), 1), "chat": (prompt(30, 8), 0)}
     solo = make_engine(tiny_llama_dir)
-    for rid, (p, rank) in reqs.items():
-        solo.add_request(rid, p, greedy(30), RequestOptions(priority_rank=rank))
+    add_all(solo, reqs, 30)
     want = run_all(solo)
     engine = make_engine(tiny_llama_dir, max_num_seqs=2)
-    for rid in ("b0", "b1"):
-        engine.add_request(rid, reqs[rid][0], greedy(30), RequestOptions(priority_rank=1))
+    add_all(engine, {rid: reqs[rid] for rid in ("b0", "b1")}, 30)
     for _ in range(5):
         engine.step()
     engine.add_request("chat", reqs["chat"][0], greedy(30))  # every row is a batch request's

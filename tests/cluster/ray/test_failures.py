@@ -82,7 +82,8 @@ class Deployment:
 def worker_config(model: Path) -> WorkerConfig:
     return WorkerConfig(model=str(model), engine=EngineConfig(num_blocks=NUM_BLOCKS, max_num_seqs=16),
                         transfer=TransferConfig(send_staging_bytes=8 * MIB, recv_staging_bytes=8 * MIB),
-                        lease_s=20.0, transfer_timeout_s=10.0)
+                        lease_s=20.0, transfer_timeout_s=10.0,
+                        compression="none")  # exact KV: streams are compared token for token with recomputes
 
 
 def deployment(ray: ModuleType, model: Path, num_each: int, recovery: RecoveryConfig, *,
