@@ -1,11 +1,11 @@
-"""The quality part of bench/transfer.py: what its agreement counts, and its one-ulp floor."""
+"""The quality part of bench/transfer.py (bench/transfer_quality.py): what its agreement counts, and its one-ulp floor."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.transfer import Agreement, one_ulp_off
+from bench.transfer_quality import Agreement, one_ulp_off
 
 
 def test_agreement_counts_ties_only_in_its_own_column() -> None:
