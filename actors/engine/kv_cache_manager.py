@@ -121,6 +121,20 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached[request.request_id] = max(start, done)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Frees the request's trailing blocks past the first `num_tokens` tokens (slots taken for
+        speculative tokens that were rejected); returns how many. Only uncached blocks are trimmed:
+        a block is cached once all its tokens are computed, and those lie before `num_tokens`."""
+        blocks = self._blocks.get(request.request_id, [])
+        keep = self.num_blocks_needed(num_tokens)
+        if len(blocks) <= keep:
+            return 0
+        assert keep >= self._num_cached.get(request.request_id, 0), "a cached block would be trimmed"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)

@@ -196,10 +196,14 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S_out]
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """Logits [S_out, V] of the rows `logits_indices`. `num_layers`: run only the first layers,
+        then the final norm and head (a self-speculative draft: `spec/proposers.py`); the KV of the
+        layers run is written as the full forward would write it."""
         x = self.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rope.lookup(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()  # [S_out, V]

@@ -25,6 +25,9 @@ class SeqChunk:
     start_pos: int
     block_ids: list[int]
     needs_logits: bool
+    # Logits for this many trailing tokens (a speculative verify: one row per proposed token and one
+    # more), in position order; only with `needs_logits`.
+    num_logits: int = 1
 
 
 class StepReplayer(Protocol):
@@ -78,10 +81,11 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Runs one forward over all chunks; returns float32 logits [num_chunks_needing_logits, V]
-        in the order of `chunks`. A decode-only step replays a captured graph when there is one."""
-        if self.graphs is not None and self.graphs.supports(chunks):
+    def execute(self, chunks: list[SeqChunk], num_layers: int | None = None) -> torch.Tensor:
+        """Runs one forward over all chunks; returns float32 logits [sum of num_logits of the chunks
+        needing them, V] in the order of `chunks`. A decode-only step replays a captured graph when
+        there is one. `num_layers`: only the first layers run (`CausalLM.forward`)."""
+        if num_layers is None and self.graphs is not None and self.graphs.supports(chunks):
             return self.graphs.run(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
@@ -92,7 +96,7 @@ class ModelRunner:
         qsl = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        logits_of: dict[int, int] = {}
+        logits_of: dict[int, range] = {}
         max_blocks = max(len(c.block_ids) for c in chunks)
         table = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
         for row, i in enumerate(order):
@@ -107,8 +111,9 @@ class ModelRunner:
             seq_lens.append(end)
             table[row, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
             if c.needs_logits:
-                logits_of[i] = len(logits_rows)
-                logits_rows.append(qsl[-1] - 1)
+                assert 1 <= c.num_logits <= n, (c.num_logits, n)
+                logits_of[i] = range(len(logits_rows), len(logits_rows) + c.num_logits)
+                logits_rows += range(qsl[-1] - c.num_logits, qsl[-1])
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
@@ -126,9 +131,10 @@ class ModelRunner:
             self.kv_caches,
             meta,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            num_layers,
         )
         # back to the caller's order
-        wanted = [logits_of[i] for i in range(len(chunks)) if i in logits_of]
+        wanted = [row for i in range(len(chunks)) if i in logits_of for row in logits_of[i]]
         if wanted == list(range(len(wanted))):  # already in order (all decodes, or decodes first)
             return logits
         return logits[torch.tensor(wanted, dtype=torch.int64, device=dev)]
