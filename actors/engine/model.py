@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine.config import ModelConfig
+from actors.engine.moe.layer import SparseMoE
 from kernels import AttentionMetadata, Linear, paged_attention, rms_norm, write_kv
 
 class KVCache(NamedTuple):
@@ -136,31 +137,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts, Mixtral semantics (softmax over all experts, then renormalised
-    over the chosen k). Experts run one by one on the tokens routed to them."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-        self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(h, e, bias=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, gate|up, H]
-        self.w2 = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        top_w, top_e = probs.topk(self.top_k, dim=-1)  # [T, k]
-        top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert in top_e.unique().tolist():
-            rows, slot = (top_e == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, rows, y * top_w[rows, slot, None])
-        return out
 
 
 class DecoderLayer(nn.Module):

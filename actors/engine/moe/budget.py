@@ -1,0 +1,142 @@
+"""Request-level expert budgets: a request's decode tokens routed only among its prompt's top experts.
+
+Mental model: a request with a budget of B experts gathers, while its prompt is computed, the
+routing mass of its prompt tokens (the sum of their router probabilities, per layer and expert).
+Once the prompt is done, its B experts of most mass per layer are fixed, and every later token of
+the request (positions past the prompt) chooses its top-k among those B only; the prompt's own
+tokens are never restricted. Fewer distinct experts per step means fewer expert weights read and
+fewer expert calls when many requests of a batch favour the same few. A request resumed from KV
+computed elsewhere (no prompt seen here) runs unrestricted.
+
+Per step, `plan` gets the step's rows as `Segment`s in the order the runner lays tokens out; the
+layers then call `observe` (prompt rows add mass) and `allowed` (a [T, E] mask or None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertBudgets:
+    """Experts per layer a request's generated tokens may use: per request (set on the tracker),
+    else per tenant, else `default`; None: unrestricted."""
+
+    default: int | None = None
+    by_tenant: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for n in [self.default, *(n for _, n in self.by_tenant)]:
+            if n is not None and n < 1:
+                raise ValueError(f"an expert budget must be >= 1, got {n}")
+
+    def of_tenant(self, tenant: str) -> int | None:
+        return dict(self.by_tenant).get(tenant, self.default)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows of a step, in the runner's layout: `num_rows` rows from `first_row`, of
+    which the first `num_prompt_rows` are prompt tokens."""
+
+    request_id: str
+    tenant: str
+    first_row: int
+    num_rows: int
+    num_prompt_rows: int
+
+
+class BudgetTracker:
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, budgets: ExpertBudgets | None = None) -> None:
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.budgets = budgets or ExpertBudgets()
+        self._by_request: dict[str, int] = {}
+        self._mass: dict[str, torch.Tensor] = {}  # request -> [L, E] float32 prompt routing mass
+        self._chosen: dict[str, torch.Tensor] = {}  # request -> [L, E] bool, its experts per layer
+        self._seen: set[str] = set()  # requests a step has carried (their per-request budget may go)
+        self._gather: list[tuple[str, int, int]] = []  # this step: (request, first row, end row) adding mass
+        self._rows: torch.Tensor | None = None  # this step's restricted rows [R]
+        self._masks: torch.Tensor | None = None  # [L, R, E] their allowed experts
+
+    def set_request_budget(self, request_id: str, num_experts: int | None) -> None:
+        if num_experts is None:
+            self._by_request.pop(request_id, None)
+        else:
+            self._by_request[request_id] = self._checked(num_experts)
+
+    def _checked(self, n: int) -> int:
+        if n < 1:
+            raise ValueError(f"an expert budget must be >= 1, got {n}")
+        return min(max(n, self.top_k), self.num_experts)  # top-k needs k allowed experts
+
+    def budget_of(self, request_id: str, tenant: str) -> int | None:
+        n = self._by_request.get(request_id, self.budgets.of_tenant(tenant))
+        return None if n is None else self._checked(n)
+
+    def plan(self, segments: Iterable[Segment], device: torch.device) -> None:
+        """Lays out the next forward: which rows add prompt mass, which are restricted, to what."""
+        self._gather, rows, masks = [], [], []
+        for s in segments:
+            self._seen.add(s.request_id)
+            budget = self.budget_of(s.request_id, s.tenant)
+            if budget is None or budget >= self.num_experts:
+                continue
+            if s.num_prompt_rows:
+                if s.request_id not in self._mass:
+                    self._mass[s.request_id] = torch.zeros(self.num_layers, self.num_experts, device=device)
+                self._gather.append((s.request_id, s.first_row, s.first_row + s.num_prompt_rows))
+            chosen = self._chosen.get(s.request_id)
+            if s.num_rows > s.num_prompt_rows and chosen is None and s.request_id in self._mass and not s.num_prompt_rows:
+                chosen = self._choose(s.request_id, budget)
+            if chosen is not None and s.num_rows > s.num_prompt_rows:
+                rows.extend(range(s.first_row + s.num_prompt_rows, s.first_row + s.num_rows))
+                masks.extend([chosen] * (s.num_rows - s.num_prompt_rows))
+        if rows:
+            self._rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            self._masks = torch.stack(masks, dim=1)  # [L, R, E]
+        else:
+            self._rows = self._masks = None
+
+    def _choose(self, request_id: str, budget: int) -> torch.Tensor:
+        mass = self._mass.pop(request_id)
+        top = mass.topk(budget, dim=-1).indices  # [L, B]
+        chosen = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, top, True)
+        self._chosen[request_id] = chosen
+        return chosen
+
+    def observe(self, layer: int, probs: torch.Tensor) -> None:
+        """probs [T, E]: this layer's router probabilities of the step's rows."""
+        for request_id, start, end in self._gather:
+            self._mass[request_id][layer] += probs[start:end].sum(0)
+
+    def allowed(self, layer: int, num_rows: int) -> torch.Tensor | None:
+        if self._rows is None or self._masks is None:
+            return None
+        mask = torch.ones(num_rows, self.num_experts, dtype=torch.bool, device=self._rows.device)
+        mask[self._rows] = self._masks[layer]
+        return mask
+
+    @property
+    def wants_probs(self) -> bool:
+        return bool(self._gather)
+
+    def experts_of(self, request_id: str) -> list[list[int]] | None:
+        """The request's experts per layer, once chosen."""
+        chosen = self._chosen.get(request_id)
+        return None if chosen is None else [row.nonzero().flatten().tolist() for row in chosen.cpu()]
+
+    def retain(self, live: set[str]) -> None:
+        """Forgets requests no longer in the engine (a budget set for a request not yet seen stays)."""
+        for d in (self._mass, self._chosen):
+            for request_id in [r for r in d if r not in live]:
+                del d[request_id]
+        for request_id in [r for r in self._seen if r not in live]:
+            self._seen.discard(request_id)
+            self._by_request.pop(request_id, None)
+
+    @property
+    def num_budgeted(self) -> int:
+        return len(self._chosen)
