@@ -11,6 +11,13 @@ pool knows each tenant's footprint (`usage`: blocks in use plus free-but-cached)
 `TenantShares` set, a cached block is evicted from the tenant furthest above its guarantee first
 (its least recently used one), not from the global LRU; the ceilings are enforced by the KV cache
 manager, which refuses an allocation that would take a tenant past its `max`.
+
+Held blocks (request-aware paging, paging.py): an empty free block may be *held* for a long request's
+run (`hold`), kept apart from the free queue so that other allocations take it only after every other
+empty block and before any cached prefix is evicted (soft holds: still counted free), or never (hard
+holds: `hard_holds`, not counted free). `take` hands out given free blocks, for a run's contiguity.
+`free_state` mirrors every block's state in one byte (IN_USE, FREE, FREE_CACHED, HELD) for the
+policy's vectorised search of contiguous free ranges.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from dataclasses import dataclass
 from actors.engine.block_hash import BlockHash
 from actors.engine.errors import EngineError
 from actors.engine.shares import TenantShares
+
+
+IN_USE, FREE, FREE_CACHED, HELD = 0, 1, 2, 3  # `BlockPool.free_state` codes
 
 
 class OutOfBlocks(EngineError):
@@ -45,13 +55,17 @@ class BlockPoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, shares: TenantShares | None = None) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, shares: TenantShares | None = None,
+                 hard_holds: bool = False) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.shares = shares or TenantShares()
+        self.hard_holds = hard_holds
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._held: OrderedDict[int, Block] = OrderedDict()  # empty free blocks held for runs, oldest first
+        self.free_state = bytearray([FREE]) * num_blocks
         self._cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
         self.in_use: dict[str, int] = {}  # tenant -> its blocks with references
@@ -60,10 +74,15 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` may hand out: the free queue, plus held blocks unless holds are hard."""
+        return len(self._free) + (0 if self.hard_holds else len(self._held))
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._held)
 
     def free_block_ids(self) -> list[int]:
-        """Free queue in eviction order (front first)."""
+        """Free queue in eviction order (front first); held blocks are not in it."""
         return list(self._free)
 
     def cached_hashes(self) -> list[BlockHash]:
@@ -85,32 +104,63 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
                 self._unlist_cached_free(block)
+                self.free_state[block.block_id] = IN_USE
                 self.in_use[block.tenant] = self.in_use.get(block.tenant, 0) + 1
             block.ref_cnt += 1
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int, tenant: str = "") -> list[Block]:
-        if num_blocks > len(self._free):
-            raise OutOfBlocks(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        out = []
-        for _ in range(num_blocks):
-            block = self._next_victim()
-            del self._free[block.block_id]
+        if num_blocks > self.num_free_blocks:
+            raise OutOfBlocks(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        out: list[Block] = []
+        for _ in range(num_blocks):  # one at a time: `_next_victim` looks at the queue as it is now
+            out += self._hand_out([self._next_victim()], tenant)
+        return out
+
+    def take(self, block_ids: Iterable[int], tenant: str = "") -> list[Block]:
+        """Hands out these free blocks (held or not; a cached one loses its prefix), in this order."""
+        blocks = [self.blocks[i] for i in block_ids]
+        assert all(self.free_state[b.block_id] != IN_USE for b in blocks), "take of a block in use"
+        return self._hand_out(blocks, tenant)
+
+    def _hand_out(self, blocks: list[Block], tenant: str) -> list[Block]:
+        for block in blocks:
+            if self._held.pop(block.block_id, None) is None:
+                del self._free[block.block_id]
             if block.block_hash is not None:
                 self._unlist_cached_free(block)
                 self._evict(block)
+            self.free_state[block.block_id] = IN_USE
             block.ref_cnt = 1
             block.tenant = tenant
-            out.append(block)
-        self.in_use[tenant] = self.in_use.get(tenant, 0) + num_blocks
-        return out
+        self.in_use[tenant] = self.in_use.get(tenant, 0) + len(blocks)
+        return blocks
+
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """Sets these empty free blocks apart for a run (see the module docstring)."""
+        for i in block_ids:
+            assert self.free_state[i] == FREE, f"only an empty free block can be held, not {i}"
+            self._held[i] = self._free.pop(i)
+            self.free_state[i] = HELD
+
+    def unhold(self, block_ids: Iterable[int]) -> None:
+        """Returns held blocks to the free queue's front (empty blocks are reused first)."""
+        for i in block_ids:
+            if self.free_state[i] == HELD:
+                self._free[i] = self._held.pop(i)
+                self._free.move_to_end(i, last=False)
+                self.free_state[i] = FREE
 
     def _next_victim(self) -> Block:
-        """The free block to hand out next: an empty one, else a cached one, from the global LRU or,
-        with tenant shares, the LRU of the tenant furthest above its guarantee."""
-        block = next(iter(self._free.values()))
+        """The free block to hand out next: an empty one (from the free queue, else a held one unless
+        holds are hard), else a cached one, from the global LRU or, with tenant shares, the LRU of the
+        tenant furthest above its guarantee."""
+        block = next(iter(self._free.values()), None)
+        if (block is None or block.block_hash is not None) and self._held and not self.hard_holds:
+            return next(iter(self._held.values()))
+        assert block is not None
         if block.block_hash is None or not self.shares.enabled:
             return block
         candidates = [t for t, blocks in self._cached_free.items() if blocks]
@@ -133,8 +183,10 @@ class BlockPool:
                 self.in_use[block.tenant] -= 1
                 self._free[block.block_id] = block
                 if block.block_hash is None:
+                    self.free_state[block.block_id] = FREE
                     self._free.move_to_end(block.block_id, last=False)
                 else:
+                    self.free_state[block.block_id] = FREE_CACHED
                     self._cached_free.setdefault(block.tenant, OrderedDict())[block.block_id] = block
 
     def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
@@ -158,17 +210,23 @@ class BlockPool:
         dropped = [b for b in self._free.values() if b.block_hash is not None]
         for block in dropped:
             self._evict(block)
+            self.free_state[block.block_id] = FREE
             self._free.move_to_end(block.block_id, last=False)
         self._cached_free.clear()
         return len(dropped)
 
     def stats(self) -> BlockPoolStats:
-        return BlockPoolStats(self.num_blocks, len(self._free), len(self._cached), self.num_evictions)
+        return BlockPoolStats(self.num_blocks, self.num_free_blocks, len(self._cached), self.num_evictions)
 
     def check_integrity(self) -> None:
         for block in self.blocks:
             assert block.ref_cnt >= 0, block
-            assert (block.ref_cnt == 0) == (block.block_id in self._free), block
+            held = block.block_id in self._held
+            assert (block.ref_cnt == 0) == (block.block_id in self._free or held), block
+            assert not (held and block.block_id in self._free), block
+            state = HELD if held else IN_USE if block.ref_cnt else FREE_CACHED if block.block_hash is not None else FREE
+            assert self.free_state[block.block_id] == state, (block, self.free_state[block.block_id])
+            assert not held or block.block_hash is None, block
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) is block, block
         for block_hash, block in self._cached.items():

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from actors.engine.paging import PagingPolicy
 from actors.engine.shares import TenantShares
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,6 +173,9 @@ class EngineConfig:
     # Host memory a preempted batch-class request's KV may be offloaded to instead of being
     # recomputed later (offload.py); 0 turns offload off.
     max_offload_bytes: int = 1024 * 1024 * 1024
+    # Which free blocks a request's KV goes to (paging.py): lazy (the free queue's order) or
+    # request-aware (long requests take contiguous runs held ahead); hashes and sharing are the same.
+    kv_paging: PagingPolicy = field(default_factory=PagingPolicy)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -190,6 +194,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive")
+        if not isinstance(self.kv_paging, PagingPolicy):
+            raise ValueError(f"kv_paging must be a PagingPolicy, got {type(self.kv_paging).__name__}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 

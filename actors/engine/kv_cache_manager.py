@@ -8,6 +8,10 @@ shared (refcount +1) and their tokens are not computed again.
 Tenant ceilings: with `TenantShares`, an allocation that would take the request's tenant past its
 `max` share of the blocks is refused like one the pool cannot hold (`allocate_slots` returns False;
 `over_share` tells the two apart), so the tenant waits for its own blocks instead of taking others'.
+
+Paging (paging.py): which free blocks a request's new tokens get is the `PagingPolicy`'s choice (lazy:
+the free queue's order; request-aware: contiguous runs held ahead for long requests); what is shared
+and cached, and under which hashes, is the same under every policy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 from actors.engine.block_hash import BlockHash
 from actors.engine.block_pool import Block, BlockPool
+from actors.engine.paging import Pager, PagingPolicy
 from actors.engine.request import Request
 from actors.engine.shares import TenantShares
 
@@ -33,10 +38,12 @@ class PrefixHitStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 shares: TenantShares | None = None) -> None:
+                 shares: TenantShares | None = None, paging: PagingPolicy | None = None) -> None:
         self.block_size = block_size
         self.shares = shares or TenantShares()
-        self.pool = BlockPool(num_blocks, enable_caching, self.shares)
+        paging = paging or PagingPolicy()
+        self.pool = BlockPool(num_blocks, enable_caching, self.shares, hard_holds=paging.hard_holds)
+        self.pager = Pager(self.pool, paging, block_size)
         self.enable_caching = enable_caching
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a request registered in the pool
@@ -69,7 +76,8 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         num_new_blocks, num_revived = self._new_blocks(request, num_new_tokens, computed_blocks)
         # Cached blocks we are about to revive are counted in the free queue: don't count them twice.
-        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+        available = self.pool.num_free_blocks + self.pager.num_own_held(request.request_id)
+        if num_new_blocks > available - num_revived:
             return False
         if self.over_share(request, num_new_tokens, computed_blocks):
             return False
@@ -79,7 +87,7 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             held = list(computed_blocks)
             self._num_cached[request.request_id] = len(computed_blocks)
-        self._blocks[request.request_id] = held + self.pool.allocate(num_new_blocks, request.tenant)
+        self._blocks[request.request_id] = held + self.pager.allocate(request, held, num_new_blocks)
         return True
 
     def _new_blocks(self, request: Request, num_new_tokens: int, computed_blocks: list[Block]) -> tuple[int, int]:
@@ -133,12 +141,14 @@ class KVCacheManager:
         tail = blocks[keep:]
         del blocks[keep:]
         self.pool.free(reversed(tail))
+        self.pager.on_trim(request, tail)
         return len(tail)
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        self.pager.release(request.request_id)
 
     def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of a hash chain the pool holds as cached prefixes."""
@@ -160,6 +170,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        self.pager.check_integrity()
         refs: dict[int, int] = {}
         for blocks in self._blocks.values():
             for b in blocks:
