@@ -1,0 +1,90 @@
+"""The random-weight MoE models bench/moe.py measures, made skewed as real MoE traffic is.
+
+Mental model: a tiny Mixtral-layout model (actors/engine/tiny_model.py) has an almost even expert
+load, since its router rows are random. Real routers are not: a few experts take much of the
+traffic, because their router rows line up with directions every hidden state shares. `skew_router`
+reproduces that in the weights themselves: per MoE layer (first to last, each calibrated on the
+inputs the skewed layers before it produce) it finds the mean direction `d` of the layer's inputs
+over calibration prompts, scaled so that d.x averages 1, and adds `offset_e * d` to expert e's
+router row, with Zipf-like offsets (`strength * log(1/rank^zipf_s)`, ranks drawn per layer). The
+router then favours a few experts for most tokens, by an amount that varies with the token.
+
+`next_token_argmax` is the quality probe: teacher-forced greedy tokens of whole sequences on a
+scratch KV cache (the engine's own is left alone), under whatever routing the model's
+`MoEControl` has in force.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.model_runner import ModelRunner, SeqChunk
+from actors.engine.moe.control import MoEControl, install_moe_control, moe_layers
+from actors.engine.sampling import SamplingParams
+from actors.engine.tiny_model import write_tiny_model
+
+
+def skewed_moe_engine(root: Path, *, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, hidden: int = 64,
+                      intermediate: int = 128, seed: int = 0, strength: float = 1.5, zipf_s: float = 1.0,
+                      max_num_seqs: int = 32) -> tuple[Engine, MoEControl]:
+    """An engine on a skewed random MoE (float32, CPU) with its `MoEControl` installed."""
+    path = write_tiny_model(root / f"moe-e{num_experts}k{top_k}l{num_layers}h{hidden}s{seed}", moe=True, seed=seed,
+                            num_experts=num_experts, num_experts_per_tok=top_k, num_layers=num_layers,
+                            hidden_size=hidden, intermediate_size=intermediate, vocab_size=512)
+    engine = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", num_blocks=1024,
+                                                       max_num_seqs=max_num_seqs, prepack_weights=False))
+    calibration = random_prompts(32, 48, seed=seed + 1000)
+    skew_router(engine, calibration, strength=strength, zipf_s=zipf_s, seed=seed)
+    control = install_moe_control(engine)
+    assert control is not None
+    return engine, control
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 508) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@torch.inference_mode()
+def skew_router(engine: Engine, prompts: list[list[int]], *, strength: float, zipf_s: float, seed: int) -> None:
+    layers = moe_layers(engine.runner.model)
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, layers[0].num_experts + 1, dtype=torch.float32)
+    for layer in layers:
+        inputs = _inputs_of(engine, layer, prompts)  # [N, H]
+        mean = inputs.mean(0)
+        d = mean / mean.dot(mean)  # d . x averages 1 over the calibration tokens
+        offsets = strength * -zipf_s * ranks.log()
+        offsets = (offsets - offsets.mean())[torch.randperm(len(ranks), generator=g)]
+        layer.gate.weight += offsets[:, None].to(layer.gate.weight.dtype) * d[None, :]
+
+
+def _inputs_of(engine: Engine, layer: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+    handle = layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].float().clone()))
+    try:
+        engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    finally:
+        handle.remove()
+    return torch.cat(seen)
+
+
+@torch.inference_mode()
+def next_token_argmax(engine: Engine, control: MoEControl, sequences: list[list[int]],
+                      with_logits: bool = False) -> list[torch.Tensor]:
+    """Per sequence, the argmax next token at every position [n] (or the logits [n, V]),
+    teacher-forced, under the table in force, on a scratch cache."""
+    bs = engine.cfg.block_size
+    longest = max(map(len, sequences))
+    num_blocks = -(-longest // bs)
+    runner = ModelRunner(engine.runner.model, num_blocks, bs, engine.runner.model_dtype)
+    out = []
+    for seq in sequences:
+        control.begin_step()
+        logits = runner.execute([SeqChunk(seq, 0, list(range(num_blocks)), True, num_logits=len(seq))])
+        out.append(logits if with_logits else logits.argmax(-1))
+    return out
