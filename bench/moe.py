@@ -1,0 +1,283 @@
+"""MoE routing control on skewed random-weight MoE models: the controller, table swaps, expert budgets.
+
+No MoE weights ship as packages here, so every figure comes from tiny Mixtral-layout models with
+random weights whose router is made skewed (bench/moe_model.py: a few experts take most tokens, as
+in real MoE traffic). float32 on CPU, one torch thread. Three parts:
+
+- controller: the routing controller (cluster/moe) steering one engine through `RoutingSync`, for
+  several quality budgets (`min_base_agreement`: shadow-sample routing agreement with no bias that
+  all its updates together may not go under). Each round serves a batch of random prompts, syncs
+  and ticks once. Reported: live expert-load imbalance (max/mean, worst layer) on the same held-out
+  traffic before and after, its cut (ratio and excess over 1), and the greedy-token change: the
+  share of positions whose teacher-forced argmax next token differs from the unbiased model's.
+- swap: tables swapped from another thread every few ms while an engine serves; requests finished
+  with all their tokens, steps whose tokens a one-table-per-step replay reproduces, and how many
+  steps after an apply call its table was first used (0: the next step to start; 1: after the step
+  in flight).
+- budget: request-level expert budgets (B experts per layer chosen from the prompt's routing mass):
+  decode step time against unrestricted, distinct experts per layer per decode step, and the quality
+  cost on the generated positions: greedy agreement and KL(unrestricted || budgeted).
+
+Run:
+    python bench/moe.py [--json] [--parts controller,swap,budget]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from actors.engine.model_runner import ModelRunner, SeqChunk  # noqa: E402
+from actors.engine.moe.budget import ExpertBudgets  # noqa: E402
+from actors.engine.moe.control import MoEControl, moe_control_of  # noqa: E402
+from actors.engine.moe.routing import imbalance  # noqa: E402
+from actors.engine.moe.routing_table import RoutingTable  # noqa: E402
+from actors.engine.moe.sync import RoutingSync  # noqa: E402
+from actors.engine.sampling import SamplingParams  # noqa: E402
+from bench.common import format_table, progress, report  # noqa: E402
+from bench.moe_model import next_token_argmax, random_prompts, skewed_moe_engine  # noqa: E402
+from cluster.moe.controller import ControllerConfig, RoutingController  # noqa: E402
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def served_loads(engine: Any, control: MoEControl, prompts: list[list[int]], max_tokens: int) -> torch.Tensor:
+    before = torch.tensor(control.report().tokens)
+    engine.generate(prompts, greedy(max_tokens))
+    return torch.tensor(control.report().tokens) - before
+
+
+def worst(loads: torch.Tensor) -> float:
+    return max(imbalance(row) for row in loads.double())
+
+
+def changed_share(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
+    return 1 - sum(int((a == b).sum()) for a, b in zip(ref, new)) / sum(len(a) for a in ref)
+
+
+# --------------------------------------------------------------------------------- controller
+def controller_part(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    engine, control = skewed_moe_engine(root, num_experts=8, top_k=2, strength=args.strength, seed=0)
+    held_out = random_prompts(args.num_requests, args.prompt_len, seed=7)
+    sequences = random_prompts(32, args.prompt_len + args.output_len, seed=99)
+    base_loads = served_loads(engine, control, held_out, args.output_len)
+    ref = next_token_argmax(engine, control, sequences)
+    rows = []
+    for budget in args.quality_budgets:
+        control.apply_table(RoutingTable.zeros(control.state.num_layers, control.state.num_experts,
+                                               control.state.active.version + 1))
+        ctl = RoutingController(ControllerConfig(step_size=args.step_size, min_tokens=args.min_tokens,
+                                                 min_base_agreement=budget))
+        sync = RoutingSync(control, ctl, "moe", "w0", sample_every=1)
+        actions: dict[str, int] = {}
+        for r in range(args.rounds):
+            sync.sync_once()  # takes the published table
+            engine.generate(random_prompts(args.num_requests, args.prompt_len, seed=1000 + r), greedy(args.output_len))
+            sync.sync_once()  # reports what was routed under it
+            d = ctl.tick("moe")
+            if d is not None:
+                actions[d.action] = actions.get(d.action, 0) + 1
+        sync.sync_once()
+        after = served_loads(engine, control, held_out, args.output_len)
+        change = changed_share(ref, next_token_argmax(engine, control, sequences))
+        before_imb, after_imb = worst(base_loads), worst(after)
+        rows.append({"min_base_agreement": budget, "imbalance_before": before_imb, "imbalance_after": after_imb,
+                     "cut_ratio": before_imb / after_imb, "cut_excess": (before_imb - 1) / max(after_imb - 1, 1e-9),
+                     "greedy_token_change": change, "table_version": control.state.active.version,
+                     "max_abs_bias": float(control.state.active.tensor().abs().max()), "decisions": actions})
+        progress(f"controller budget {budget}: imbalance {before_imb:.2f} -> {after_imb:.2f}, "
+                 f"tokens changed {change:.3%}")
+    return rows
+
+
+# -------------------------------------------------------------------------------------- swap
+def swap_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    engine, control = skewed_moe_engine(root, num_experts=8, top_k=2, strength=args.strength, seed=1)
+    versions: list[int] = []
+    started: list[float] = []
+    inner = control.begin_step
+
+    def begin_step(*a: Any, **kw: Any) -> None:
+        started.append(time.perf_counter())
+        inner(*a, **kw)
+        versions.append(control.state.step_version)
+
+    control.begin_step = begin_step  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(3)
+    s = control.state
+    tables = [RoutingTable.of(v, (torch.randn(s.num_layers, s.num_experts, generator=g)).clamp(-2, 2))
+              for v in range(1, args.num_swaps + 1)]
+    applied_at: list[float] = []
+    stop = threading.Event()
+
+    def swapper() -> None:
+        for t in tables:
+            if stop.wait(0.003):
+                return
+            applied_at.append(time.perf_counter())
+            control.apply_table(t)
+
+    prompts = random_prompts(args.num_requests, args.prompt_len, seed=11)
+    output_len = 4 * args.output_len  # long enough for many steps
+    thread = threading.Thread(target=swapper)
+    thread.start()
+    outs = engine.generate(prompts, greedy(output_len))
+    stop.set()
+    thread.join()
+    complete = sum(len(o.token_ids) == output_len for o in outs)
+    # steps after the apply call until its table routed: steps that began between the call and use
+    lags = []
+    for v, at in enumerate(applied_at, start=1):
+        first = next((i for i, ver in enumerate(versions) if ver >= v), None)
+        if first is not None:
+            lags.append(sum(1 for t in started[:first] if t > at))
+    replay, _unused = skewed_moe_engine(root, num_experts=8, top_k=2, strength=args.strength, seed=1)
+    by_version = {t.version: t for t in tables}
+    replay_control = moe_control_of(replay.runner.model)
+    assert replay_control is not None
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        replay.add_request(rid, p, greedy(output_len))
+    tokens: dict[str, list[int]] = {}
+    for v in versions:
+        if v != replay_control.state.active.version:
+            replay_control.apply_table(by_version[v])
+        for o in replay.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    same = sum(tokens.get(f"r{i}") == list(o.token_ids) for i, o in enumerate(outs))
+    return {"requests": len(prompts), "completed_all_tokens": complete, "replay_identical": same,
+            "steps": len(versions), "swaps_applied": len(applied_at), "versions_used": len(set(versions)),
+            "lag_steps_max": max(lags) if lags else None,
+            "lag_steps_mean": statistics.fmean(lags) if lags else None}
+
+
+# ------------------------------------------------------------------------------------ budget
+def budget_part(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    kw = dict(num_experts=args.budget_experts, top_k=2, hidden=args.budget_hidden,
+              intermediate=4 * args.budget_hidden, strength=args.strength, seed=2)
+    prompts = random_prompts(args.num_requests, args.prompt_len, seed=21)
+    rows = []
+    reference: list[list[int]] = []  # the unrestricted run's sequences: every budget is scored on them
+    ref_logits = torch.empty(0)
+    for b in [None, *args.budgets]:
+        engine, control = skewed_moe_engine(root, **kw, max_num_seqs=args.num_requests)
+        control.budget.budgets = ExpertBudgets(default=b)
+        distinct: list[int] = []
+        add = control.loads.add
+        control.loads.add = lambda layer, top_e: (distinct.append(int(top_e.unique().numel())), add(layer, top_e))  # type: ignore[method-assign]
+        engine.take_step_records()
+        outs = engine.generate(prompts, greedy(args.output_len))
+        decode = [r for r in engine.take_step_records() if r.num_prefill_tokens == 0]
+        step_ms = 1e3 * statistics.median(r.step_s for r in decode)
+        per_step = distinct[-len(decode) * control.state.num_layers:]  # the last steps are decode-only
+        if not reference:
+            reference = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
+        logits = budgeted_logits(engine, control, reference, args.prompt_len, b)
+        if b is None:
+            ref_logits = logits
+        p_ref, q = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
+        rows.append({"budget": "all" if b is None else b, "decode_step_ms": step_ms,
+                     "speedup": rows[0]["decode_step_ms"] / step_ms if rows else 1.0,
+                     "distinct_experts_per_layer": statistics.fmean(per_step),
+                     "greedy_agreement": float((ref_logits.argmax(-1) == logits.argmax(-1)).double().mean()),
+                     "kl_mean": float((p_ref.exp() * (p_ref - q)).sum(-1).mean())})
+        progress(f"budget {b}: decode step {step_ms:.2f} ms, {rows[-1]['distinct_experts_per_layer']:.1f} experts/layer")
+    return rows
+
+
+@torch.inference_mode()
+def budgeted_logits(engine: Any, control: MoEControl, sequences: list[list[int]], prompt_len: int,
+                    budget: int | None) -> torch.Tensor:
+    """Teacher-forced logits of the generated positions [sum, V]: each sequence's prompt as one step
+    (its routing mass gathered), then its continuation as the next, restricted by the budget."""
+    bs = engine.cfg.block_size
+    n_blocks = -(-max(map(len, sequences)) // bs)
+    runner = ModelRunner(engine.runner.model, n_blocks, bs, engine.runner.model_dtype)
+    out = []
+    for i, seq in enumerate(sequences):
+        req = SimpleNamespace(request_id=f"tf{i}", tenant="", prompt_token_ids=seq[:prompt_len])
+        control.budget.set_request_budget(req.request_id, budget)
+        prompt = SeqChunk(seq[:prompt_len], 0, list(range(n_blocks)), True)
+        control.begin_step([req], [prompt])
+        runner.execute([prompt])
+        rest = SeqChunk(seq[prompt_len:-1], prompt_len, list(range(n_blocks)), True, num_logits=len(seq) - prompt_len - 1)
+        control.begin_step([req], [rest])
+        out.append(runner.execute([rest]))
+    control.budget.retain(set())
+    return torch.cat(out)
+
+
+# ------------------------------------------------------------------------------------ output
+def render(f: dict[str, Any]) -> str:
+    out = []
+    if "controller" in f:
+        out.append(format_table(
+            ["quality budget", "imbalance before", "after", "cut (ratio)", "cut (excess)", "tokens changed",
+             "|bias| max", "table"],
+            [[r["min_base_agreement"], r["imbalance_before"], r["imbalance_after"], r["cut_ratio"], r["cut_excess"],
+              f"{100 * r['greedy_token_change']:.2f}%", r["max_abs_bias"], f"v{r['table_version']}"]
+             for r in f["controller"]],
+            title="controller: live expert-load imbalance (max/mean, worst layer) and greedy-token change"))
+    if "swap" in f:
+        s = f["swap"]
+        out.append(format_table(["requests", "all tokens", "replay identical", "steps", "swaps", "tables used",
+                                 "lag max (steps)", "lag mean"],
+                                [[s["requests"], s["completed_all_tokens"], s["replay_identical"], s["steps"],
+                                  s["swaps_applied"], s["versions_used"], s["lag_steps_max"], s["lag_steps_mean"]]],
+                                title="swap: tables swapped every ~3 ms from another thread while serving"))
+    if "budget" in f:
+        out.append(format_table(
+            ["budget", "decode step ms", "speedup", "experts/layer/step", "greedy agreement", "KL mean"],
+            [[r["budget"], r["decode_step_ms"], r["speedup"], r["distinct_experts_per_layer"],
+              f"{100 * r['greedy_agreement']:.1f}%", f"{r['kl_mean']:.4f}"] for r in f["budget"]],
+            title="budget: request-level expert budgets, decode steps and quality vs unrestricted"))
+    return "\n\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="controller,swap,budget")
+    p.add_argument("--strength", type=float, default=1.5, help="router skew (bench/moe_model.py)")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--step-size", type=float, default=0.5)
+    p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.95, 0.9, 0.8, 0.6])
+    p.add_argument("--num-swaps", type=int, default=200)
+    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 4, 2])
+    p.add_argument("--budget-experts", type=int, default=16)
+    p.add_argument("--budget-hidden", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    parts = args.parts.split(",")
+    figures: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if "controller" in parts:
+            figures["controller"] = controller_part(root, args)
+        if "swap" in parts:
+            figures["swap"] = swap_part(root, args)
+        if "budget" in parts:
+            figures["budget"] = budget_part(root, args)
+    report(figures, args.json, render)
+
+
+if __name__ == "__main__":
+    main()
