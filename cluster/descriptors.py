@@ -109,7 +109,7 @@ class WorkerReport:
 
     Prefix holdings travel as deltas (`cached_added` / `cached_removed`, block hashes) or, when
     `cached_full` is given, as the whole set, which replaces what the scheduler knew (sent on the
-    first report and after a scheduler restart).
+    first report and after a scheduler restart). Speculation counters are cumulative totals.
     """
 
     name: WorkerName
@@ -125,6 +125,10 @@ class WorkerReport:
     cached_added: tuple[int, ...] = ()
     cached_removed: tuple[int, ...] = ()
     cached_full: frozenset[int] | None = None
+    # Speculative decoding, cumulative since the worker's engine started: the engine's steps that
+    # verified drafts, and the draft tokens accepted in them (each an output token without a step).
+    num_spec_steps: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_total_blocks < 0 or not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):

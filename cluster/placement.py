@@ -105,7 +105,8 @@ class PlacementConfig:
             raise ValueError("decode_tpot_safety must be in (0, 1]")
 
 
-# A decode worker a row fits now: (worker, tightest TPOT target, step seconds per row, step).
+# A decode worker a row fits now: (worker, tightest TPOT target, step seconds per row, seconds per
+# output token of a row: the step over the worker's measured tokens per step, `WorkerView.tokens_per_step`).
 Fit = tuple[WorkerView, "float | None", float, float]
 
 
@@ -127,7 +128,7 @@ class PrefillChoice:
 @dataclass(slots=True)
 class DecodeChoice:
     worker: WorkerView
-    step_s: float
+    step_s: float  # predicted seconds per output token of a row there (its step over tokens per step)
     wait_s: float
     num_preempt: int = 0  # batch-class rows to evict from `worker` first (most slack first)
 
@@ -228,7 +229,8 @@ class PlacementPolicy:
         output still expected) with `context_tokens` of context now; `tpot_s` is its TPOT target
         (None for batch work). Workers the row fits now are appended to `feasible` if given.
         `count_committed`: rows promised to requests still prefilling count as taken (a row is
-        free only if nobody placed there will need it)."""
+        free only if nobody placed there will need it). The choice's `step_s` is the predicted
+        TPOT there: the step time over the worker's measured tokens per step and row."""
         safety = self.cfg.decode_tpot_safety
         # Candidates kept as (worker, step) tuples; one DecodeChoice is built at the end.
         best, best_head, best_step = None, -math.inf, 0.0
@@ -246,13 +248,17 @@ class PlacementPolicy:
                 ctx = w.active_context_tokens / w.num_active if w.num_active else float(context_tokens)
             per_row = t[3] * 1e-2 + t[4] * ctx * 1e-5
             rows = w.num_active + 1 + (w.num_committed if count_committed else 0)
-            # Rows fit iff the step with one more row stays within the tightest target (the
-            # batch cap, `batch_cap`, without solving for it); a lone row always fits.
+            # A speculating worker emits `tokens_per_step` tokens per row and step: its TPOT is its
+            # step time over that, so its step may take that much longer under the same target.
+            per_step = w.tokens_per_step
+            # Rows fit iff the step with one more row keeps the TPOT within the tightest target
+            # (the batch cap, `batch_cap`, without solving for it); a lone row always fits.
             rows_ok = rows <= w.max_num_seqs and (
-                tight is None or rows == 1 or t[0] + per_row * rows <= safety * tight)
+                tight is None or rows == 1 or t[0] + per_row * rows <= safety * tight * per_step)
             step = t[0] + per_row * (w.num_active + 1 + w.num_committed)
             if step < min_step:
                 step = min_step
+            step /= per_step  # from here on: seconds per output token of a row
             head = (tight if tight is not None else 0.0) - step
             free = min(w.reported_free_blocks - w.blocks_since_report, w.num_total_blocks - w.active_blocks)
             if rows_ok and free - w.committed_blocks >= -(-total_tokens // w.block_size):
@@ -261,12 +267,13 @@ class PlacementPolicy:
                 if head > best_head:
                     best, best_head, best_step = w, head, step
                 continue
-            cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight, w.max_num_seqs)
+            cap = w.max_num_seqs if tight is None else batch_cap(t[0], per_row, safety * tight * per_step,
+                                                                 w.max_num_seqs)
             excess = max(1, rows - cap)
             if may_preempt and len(w.victims) >= excess and head > victim_head:
                 # After evicting `excess` batch rows the batch is back within the cap.
                 victim, victim_head, victim_n = w, head, excess
-                victim_step = max(min_step, step - per_row * excess)
+                victim_step = max(min_step, step * per_step - per_row * excess) / per_step
             # A row frees every (expected_output * step / rows) seconds on average.
             wait = excess * expected_output * step / rows
             if wait < fallback_wait:

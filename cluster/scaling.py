@@ -106,8 +106,8 @@ def prefill_pressure(workers: WorkerRegistry, ttft_target_s: float) -> float:
 
 
 def decode_pressure(workers: WorkerRegistry) -> float:
-    """The larger of rows in use over rows, and the slowest predicted step over its rows' tightest
-    TPOT target (0 without decode workers)."""
+    """The larger of rows in use over rows, and the slowest predicted TPOT (step time over measured
+    tokens per step) over its rows' tightest TPOT target (0 without decode workers)."""
     views = workers.decode
     if not views:
         return 0.0
@@ -117,5 +117,5 @@ def decode_pressure(workers: WorkerRegistry) -> float:
         tight = v.tpot_targets.min()
         if tight and v.num_active:
             step = v.model.predict_decode_step(v.num_active, int(v.context_per_row(0.0) * v.num_active))
-            steps = max(steps, step / tight)
+            steps = max(steps, step / v.tokens_per_step / tight)  # speculation: tokens per step > 1
     return max(rows, steps)

@@ -51,6 +51,13 @@ class WorkerView:
     active_context_tokens: int = 0
     tpot_targets: MinTracker = field(default_factory=MinTracker)
     victims: VictimQueue[RequestId] = field(default_factory=VictimQueue)
+    # Output tokens per decode step and row, measured: 1 + accepted drafts per verification round
+    # (speculative decoding), 1 where the worker does not speculate. Its predicted TPOT is its
+    # step time over this. `spec_counters`: the last report's cumulative (rounds, accepted). The
+    # engine reports its steps that verified drafts as the rounds: exact while one row speculates a
+    # step; with several a step it overstates the factor (EngineStats counts steps, not rows).
+    tokens_per_step: float = 1.0
+    spec_counters: tuple[int, int] | None = None
 
     def apply_report(self, load: WorkerReport, now: float) -> None:
         self.healthy = load.healthy
@@ -62,6 +69,7 @@ class WorkerView:
         self.reported_waiting = load.num_waiting
         self.blocks_since_report = 0
         self.observe_steps(load.steps)
+        self.observe_speculation(load.num_spec_steps, load.num_accepted_tokens)
 
     def observe_steps(self, steps: tuple[StepSample, ...]) -> None:
         """Measured steps: the mean context per decode row (what a new row's step will read)."""
@@ -70,6 +78,19 @@ class WorkerView:
             measured = sum(s.num_context_tokens for s in steps) / rows
             m = self.mean_context_tokens
             self.mean_context_tokens = measured if m is None else 0.5 * m + 0.5 * measured
+
+    def observe_speculation(self, num_rounds: int, num_accepted: int) -> None:
+        """Cumulative counters of a report: the rounds and acceptances since the last report give
+        1 + accepted / rounds, smoothed like the context per row (the first rounds seen count as
+        measured). Counters that went back mean a restarted worker: they count from 0."""
+        last, self.spec_counters = self.spec_counters, (num_rounds, num_accepted)
+        first = last is None or last[0] == 0
+        if last is None or num_rounds < last[0] or num_accepted < last[1]:
+            last = (0, 0)
+        rounds = num_rounds - last[0]
+        if rounds > 0:
+            measured = 1.0 + (num_accepted - last[1]) / rounds
+            self.tokens_per_step = measured if first else 0.5 * self.tokens_per_step + 0.5 * measured
 
     def free_blocks(self) -> int:
         """Free KV blocks now: the report minus what was activated since, and never more than the
