@@ -46,6 +46,7 @@ from actors.engine.engine import Engine
 from actors.engine.output import EngineStats
 from actors.handoff import kv_layout
 from actors.messages import WorkerLoad
+from actors.moe_link import link_routing
 from actors.prefill import PrefillWorker
 from actors.prefix_cache.actor import RayStoreHandle, start_store_actors
 from actors.prefix_cache.handles import StoreHandle
@@ -81,11 +82,13 @@ def log_to_worker_output(package: str = "actors") -> None:
     root.propagate = False
 
 
-def _load_engine(cfg: WorkerConfig, torch_threads: int | None) -> AsyncEngine:
+def _load_engine(cfg: WorkerConfig, torch_threads: int | None, name: str) -> AsyncEngine:
     log_to_worker_output()
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
-    return AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine), stream_interval=cfg.stream_interval)
+    engine = AsyncEngine(Engine.from_pretrained(cfg.model, cfg.engine), stream_interval=cfg.stream_interval)
+    link_routing(engine, cfg.model, name)  # MoE models: expert loads, routing tables (actors/moe_link.py)
+    return engine
 
 
 def _open_transport(cfg: WorkerConfig, name: str, kv_device: torch.device) -> KVTransport:
@@ -126,7 +129,7 @@ class _Inspected:
 class PrefillActor(_Inspected, PrefillWorker):
     def __init__(self, cfg: WorkerConfig, name: str, stores: Mapping[StoreId, StoreHandle] | None = None,
                  torch_threads: int | None = None) -> None:
-        engine = _load_engine(cfg, torch_threads)
+        engine = _load_engine(cfg, torch_threads, name)
         pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
         super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
                          pool, name)
@@ -135,7 +138,7 @@ class PrefillActor(_Inspected, PrefillWorker):
 class DecodeActor(_Inspected, DecodeWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None,
                  stores: Mapping[StoreId, StoreHandle] | None = None) -> None:
-        engine = _load_engine(cfg, torch_threads)
+        engine = _load_engine(cfg, torch_threads, name)
         pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
         super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
                          name, pool)
@@ -143,7 +146,7 @@ class DecodeActor(_Inspected, DecodeWorker):
 
 class ColocatedActor(_Inspected, ColocatedWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None) -> None:
-        super().__init__(_load_engine(cfg, torch_threads), name)
+        super().__init__(_load_engine(cfg, torch_threads, name), name)
 
 
 # The defaults; each start asks for its `WorkerResources` through `.options(...)`.

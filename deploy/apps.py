@@ -35,7 +35,9 @@ from actors.engine.tokenizer import Tokenizer
 from actors.prefix_cache.actor import start_store_actors
 from actors.ray_actors import PDDeployment, cluster_gpus, log_to_worker_output, start_colocated, start_pd
 from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, stop_semantic_cache
+from actors.moe_link import ROUTING_ACTOR, model_key
 from cluster.actor import start_scheduler
+from cluster.moe.actor import start_routing_control
 from cluster.descriptors import SloClass
 from cluster.router.client import Router
 from cluster.router.config import RouterConfig
@@ -43,9 +45,11 @@ from cluster.router.link import SchedulerLink, slo_class_override
 from cluster.router.ray_handles import router_for
 from deploy.cluster_backend import ClusterBackend
 from deploy.config import AppConfig, ConfigError, load_config
-from deploy.dashboard.monitoring import Monitoring
+from deploy.dashboard.monitoring import Monitoring, run_in_lifespan
 from deploy.local import bind_replica_grpc_to_loopback
+from deploy.moe import RayRoutingAdmin, RoutingHealth, expert_load_exporter
 from deploy.openai import build_api
+from deploy.openai.admin import mount_admin
 from deploy.openai.drain import DrainState
 from deploy.pool_source import PoolSource
 from deploy.scheduler_config import SchedulerSection
@@ -98,6 +102,10 @@ class FerryIngress:
             self.semantic = self._start_semantic(cfg.api.semantic_cache)
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
         self.tokenizer = Tokenizer.load(path)
+        self._routing: RayRoutingAdmin | None = None  # MoE models: the routing controller, up before the workers
+        if _read_config(path).is_moe:
+            self._routing = RayRoutingAdmin(_fresh_actor(ROUTING_ACTOR, lambda: start_routing_control(name=ROUTING_ACTOR),
+                                                         lambda old: ray.kill(old, no_restart=True)))
         resources = cfg.worker_resources(cluster_gpus())
         worker_cfg = cfg.to_worker_config(resources, **self.scheduler_cfg.worker_policies())  # type: ignore[arg-type]
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)
@@ -125,7 +133,9 @@ class FerryIngress:
             self._store_handles = dict(self._deployment.stores)
         max_len = cfg.engine.max_model_len or _context_of(path)
         pool = PoolSource(self._store_handles) if self._store_handles else None
-        self.backend = ClusterBackend(router, self.tokenizer, _model_name(cfg.model), max_len, pool=pool)
+        self.backend = ClusterBackend(router, self.tokenizer, model_key(cfg.model), max_len, pool=pool)
+        if self._routing is not None:  # /health reports each worker's expert loads and routing table
+            self.backend = RoutingHealth(self.backend, self._routing, model_key(cfg.model))
         # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
         self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic,
                                      pool=pool)
@@ -186,6 +196,11 @@ class FerryIngress:
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
         app = build_api(self.monitoring.backend, self.cfg.api, semantic=self.semantic)
         self.monitoring.mount(app)
+        served = list(self.cfg.api.served_model_names) or [self.backend.model_name]
+        mount_admin(app, self.cfg.api, self._routing, {name: model_key(self.cfg.model) for name in served})
+        if self._routing is not None:
+            run_in_lifespan(app, expert_load_exporter(self._routing, model_key(self.cfg.model)),
+                            self.monitoring.period_s)
         app.add_middleware(SloClassHeader)
         self._drain_state: DrainState = app.state.drain
         return app
@@ -204,6 +219,8 @@ class FerryIngress:
             ray.kill(self._scheduler, no_restart=True)
         if self._deployment is not None:
             self._deployment.shutdown()
+        if self._routing is not None:
+            ray.kill(self._routing.actor, no_restart=True)
         for store in self._stores:
             ray.kill(store, no_restart=True)
         if self._semantic_actor is not None:
@@ -253,14 +270,14 @@ def _fresh_actor(name: str, start: Callable[[], Any], stop: Callable[[Any], None
         time.sleep(0.1)
 
 
-def _model_name(spec: str) -> str:
-    return spec if "/" not in spec else spec.rstrip("/").rsplit("/", 1)[-1]
+def _read_config(path: Any) -> Any:
+    from actors.engine.weights import read_config
+
+    return read_config(path)
 
 
 def _context_of(path: Any) -> int:
-    from actors.engine.weights import read_config
-
-    return read_config(path).max_position_embeddings
+    return _read_config(path).max_position_embeddings
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -82,6 +82,7 @@ class ModelRouting:
     window: dict[str, torch.Tensor] = field(default_factory=dict)  # worker -> counts since then [L, E]
     applied: dict[str, int] = field(default_factory=dict)  # worker -> table version it routes with
     sample: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # worker -> per-layer logit rows
+    reports: dict[str, ExpertLoadReport] = field(default_factory=dict)  # worker -> its latest report
     watching: Decision | None = None  # the last publish, until live load confirms it
 
 
@@ -93,9 +94,17 @@ class RoutingController:
 
     # ------------------------------------------------------------------------------- workers
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
-             sample: Sequence[torch.Tensor] | None = None) -> RoutingTable:
-        """A worker's loads (and shadow sample) in, the published table out."""
+             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingTable:
+        """A worker's loads (and shadow sample) in, the published table out. `active`: the worker's
+        table when it is newer than what this controller last answered (a restarted controller
+        adopts it, so versions keep growing and the workers keep taking them)."""
         m = self._model(model, report, top_k)
+        if active is not None and active.version > m.table.version:
+            validate(active, m.num_layers, m.num_experts, m.table.version, MAX_ABS_BIAS)
+            logger.warning("routing %s: adopting v%d from %s (newer than this controller's v%d)", model,
+                           active.version, worker, m.table.version)
+            m.table = active
+        m.reports[worker] = report
         counts = torch.tensor(report.tokens, dtype=torch.int64)
         base = m.totals.get(worker)
         if base is None or m.applied.get(worker) != report.table_version or bool((counts < base).any()):
@@ -118,7 +127,7 @@ class RoutingController:
     def forget_worker(self, model: str, worker: str) -> None:
         m = self.models.get(model)
         if m is not None:
-            for d in (m.totals, m.window, m.applied, m.sample):
+            for d in (m.totals, m.window, m.applied, m.sample, m.reports):
                 d.pop(worker, None)
 
     # ------------------------------------------------------------------------------- control

@@ -1,8 +1,8 @@
 """`ApiConfig`: the HTTP layer's own section of the deployment config (pydantic, rejects unknown keys).
 
 Mental model: everything the OpenAI front needs to decide *before* a request reaches a backend:
-who may call (API key -> tenant), how big a body may be, which model names it answers to, and how
-many tokens to generate when a client names no limit. Cross-field rules live in one validator.
+who may call (API key -> tenant; operator keys for /admin/), how big a body may be, which model
+names it answers to, and how many tokens to generate when a client names no limit. Cross-field rules live in one validator.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ class ApiConfig(BaseModel):
     api_keys: dict[str, str] = Field(
         default_factory=dict, repr=False,  # a logged config must not leak credentials
         description="API key -> tenant name. A tenant may hold several keys.")
+    admin_keys: dict[str, str] = Field(
+        default_factory=dict, repr=False,
+        description="Operator key -> operator name, for /admin/* (routing tables). Its own role: a tenant's "
+                    "key is refused there (403) and an operator key is no tenant key on /v1/.")
     auth_required: bool = Field(
         True, description="Refuse /v1/* calls without a known key (401). Off only for a local demo.")
     max_body_bytes: int = Field(MIB, gt=0, description="Larger request bodies are refused with 413.")
@@ -44,6 +48,11 @@ class ApiConfig(BaseModel):
                 raise ValueError("api_keys: a key must be non-empty and have no surrounding spaces")
             if not tenant:
                 raise ValueError(f"api_keys: the key ending {key[-4:]!r} maps to an empty tenant")
+        for key, who in self.admin_keys.items():
+            if not key or key != key.strip() or not who:
+                raise ValueError("admin_keys: a key must be non-empty, without surrounding spaces, and name its operator")
+            if key in self.api_keys:
+                raise ValueError(f"admin_keys: the key ending {key[-4:]!r} is also a tenant key; the roles need their own")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
         if any(not name for name in self.served_model_names):

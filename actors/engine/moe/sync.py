@@ -4,7 +4,8 @@ Mental model: the worker pushes, the controller answers. Each exchange hands the
 worker's expert loads (and, every `sample_every` exchanges, its shadow sample of router logits) and
 takes back the model's published table; a newer one is applied at once (`MoEControl.apply_table`
 validates it and it takes effect at the next engine step). Every worker of a model syncs with the
-same controller, so all converge on the same version within one period. A controller that does not
+same controller, so all converge on the same version within one period; a worker holding a newer
+table than the controller answers with (the controller restarted) hands it over to be adopted. A controller that does not
 answer, or a table this worker refuses, is logged; serving goes on with the table in force. The
 hub is anything with the controller's `sync` signature: the controller itself in one process, a
 Ray actor behind actors/moe_link.py.
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 class RoutingHub(Protocol):
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
-             sample: Sequence[torch.Tensor] | None = None) -> RoutingTable: ...
+             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingTable: ...
 
 
 class RoutingSync:
@@ -37,6 +38,7 @@ class RoutingSync:
         self.control, self.hub, self.model, self.worker = control, hub, model, worker
         self.period_s, self.sample_every = period_s, sample_every
         self.num_syncs = self.num_failures = 0
+        self._answered = 0  # the version the controller last answered with
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -44,8 +46,11 @@ class RoutingSync:
         """One exchange; returns the published table (applied here when newer)."""
         sample = self.control.sample.read() if self.num_syncs % self.sample_every == 0 else None
         self.num_syncs += 1
-        table = self.hub.sync(self.model, self.worker, self.control.report(), self.control.top_k, sample)
-        if table.version > self.control.state.active.version:
+        active = self.control.state.active
+        table = self.hub.sync(self.model, self.worker, self.control.report(), self.control.top_k, sample,
+                              active if active.version > self._answered else None)
+        self._answered = table.version
+        if table.version > active.version:
             self.control.apply_table(table)
         return table
 
