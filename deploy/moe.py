@@ -16,6 +16,9 @@ import asyncio
 import logging
 from typing import Any
 
+from ray.exceptions import RayTaskError
+
+from actors.engine.moe.routing_table import TableRejected
 from actors.engine.moe.telemetry import ExpertLoadReport
 from deploy.moe_metrics import ExpertLoadExporter
 
@@ -29,7 +32,12 @@ class RayRoutingAdmin:
         self.actor, self.timeout_s = actor, timeout_s
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await asyncio.wait_for(getattr(self.actor, method).remote(*args), self.timeout_s)
+        try:
+            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), self.timeout_s)
+        except RayTaskError as e:  # the controller's own answer (a refused table, an unknown model)
+            if isinstance(e.cause, (TableRejected, KeyError)):
+                raise e.cause from None
+            raise
 
     async def state(self, model: str) -> dict[str, Any]:
         return await self._call("state", model)

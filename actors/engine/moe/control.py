@@ -85,7 +85,7 @@ class MoEControl:
 
     def report(self) -> ExpertLoadReport:
         s = self.state
-        return ExpertLoadReport(table_version=s.step_version, tokens=tuple(map(tuple, self.loads.read())),
+        return ExpertLoadReport(table_version=s.active.version, tokens=tuple(map(tuple, self.loads.read())),
                                 safe_mode_layers=tuple(sorted(s.safe_mode)), num_table_swaps=s.num_swaps,
                                 num_tables_rejected=s.num_rejected, num_budgeted_requests=self.budget.num_budgeted)
 

@@ -33,6 +33,9 @@ class TableRejected(ValueError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # crosses Ray calls with its reason
+        return (TableRejected, (self.reason, str(self)))
+
 
 @dataclass(frozen=True)
 class RoutingTable:

@@ -69,7 +69,7 @@ class LogitSample:
 class ExpertLoadReport:
     """One worker's MoE state, as /health, Prometheus and the routing controller read it."""
 
-    table_version: int  # the table the worker's last step routed with
+    table_version: int  # the table the worker routes with (applied: every step from the next on)
     tokens: tuple[tuple[int, ...], ...]  # [L][E] cumulative tokens routed (a token counts per chosen expert)
     safe_mode_layers: tuple[int, ...] = ()
     num_table_swaps: int = 0

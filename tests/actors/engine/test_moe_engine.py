@@ -222,3 +222,34 @@ def test_a_budget_of_all_experts_changes_nothing_and_a_small_one_stays_close(tin
     assert control.budget.num_budgeted == 0
     with pytest.raises(ValueError):
         ExpertBudgets(default=0)
+
+
+def test_workers_sync_with_the_controller_and_a_restarted_one_adopts_their_table(tiny_moe_dir) -> None:
+    from cluster.moe.controller import RoutingController
+    from actors.engine.moe.sync import RoutingSync
+
+    engines = [make_engine(tiny_moe_dir) for _ in range(2)]
+    controls = [install_moe_control(e) for e in engines]
+    ctl = RoutingController()
+    syncs = [RoutingSync(c, ctl, "m", f"w{i}") for i, c in enumerate(controls)]
+    for s in syncs:
+        s.sync_once()
+    s0 = controls[0].state
+    bias = [[-1.0] + [0.0] * (s0.num_experts - 1)] * s0.num_layers
+    published = ctl.set_table("m", bias)
+    for e, s in zip(engines, syncs):
+        assert s.sync_once() == published
+        run(e, prompts(1, 6))
+    assert [c.state.step_version for c in controls] == [1, 1] and ctl.state("m")["consistent"] is False
+    for s in syncs:
+        s.sync_once()
+    assert ctl.state("m")["consistent"] and ctl.state("m")["workers"] == {"w0": 1, "w1": 1}
+    restarted = RoutingController()  # lost every table: answers v0 first, then adopts the workers' v1
+    for s in syncs:
+        s.hub = restarted
+        assert s.sync_once().version == 0
+    assert syncs[0].sync_once() == published and restarted.models["m"].table == published
+    assert restarted.set_table("m", bias).version == 2
+    for s in syncs:
+        s.sync_once()
+    assert [c.state.active.version for c in controls] == [2, 2]
