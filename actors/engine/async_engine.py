@@ -225,7 +225,7 @@ class AsyncEngine:
                     prepared = self.engine.prepare_step()
                     self._forward_running = busy = prepared is not None
                 if busy:
-                    logits = self.engine.runner.execute(prepared.chunks)
+                    logits = self.engine.execute(prepared)
                     with self._lock:
                         outputs = self.engine.finish_step(prepared, logits)
                         self._forward_running = False

@@ -14,6 +14,7 @@ import torch
 
 from actors.engine.paging import PagingPolicy
 from actors.engine.shares import TenantShares
+from actors.engine.spec.config import SpecConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,6 +177,8 @@ class EngineConfig:
     # Which free blocks a request's KV goes to (paging.py): lazy (the free queue's order) or
     # request-aware (long requests take contiguous runs held ahead); hashes and sharing are the same.
     kv_paging: PagingPolicy = field(default_factory=PagingPolicy)
+    # Speculative decoding (spec/): the proposer, and k at most; the engine decides per step and row.
+    speculation: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

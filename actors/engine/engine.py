@@ -14,7 +14,6 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from actors.engine.errors import DuplicateRequestId, EmptyPrompt
 from actors.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from actors.engine.device import resolve_device
 from actors.engine.kv_cache_manager import KVCacheManager
+from actors.engine.kv_exchange import KVExchange
 from actors.engine.limits import RequestLimits
 from actors.engine.memory import KVPlan, plan_kv_cache
 from actors.engine.model import CausalLM
@@ -35,6 +35,8 @@ from actors.engine.output import EngineStats, OutputProcessor, RequestOutput, St
 from actors.engine.request import Request, RequestStatus
 from actors.engine.sampling import Sampler, SamplingParams, SamplingState
 from actors.engine.scheduler import ScheduledBatch, Scheduler
+from actors.engine.spec.decoder import SpecDecoder
+from actors.engine.spec.proposers import DraftRow
 from actors.engine.tokenizer import Tokenizer
 from kernels import bound_onednn_caches
 
@@ -48,10 +50,13 @@ class PreparedStep:
     chunks: list[SeqChunk]
     due: list[Request]  # requests that sample a token from this step's logits
     started_s: float
+    spec: list[DraftRow]  # rows that verify drafted tokens (their chunks carry the drafts)
 
 
-class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None) -> None:
+class Engine(KVExchange):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None,
+                 draft_model: CausalLM | None = None) -> None:
+        """`draft_model`: speculation's draft model (method "draft"); None loads `speculation.draft_model`."""
         cfg = cfg or EngineConfig()
         self.device = resolve_device(cfg.device)
         self.cfg = cfg.resolved(self.device)  # concrete device and dtype from here on
@@ -77,6 +82,11 @@ class Engine:
         if use_graphs:
             self.runner.graphs = DecodeGraphs(
                 self.runner, graph_buckets(self.cfg.cuda_graph_batch_sizes, self.cfg.max_num_seqs), self.max_model_len)
+        if self.cfg.speculation.method == "draft" and draft_model is None:
+            from actors.engine.loader import load_model
+
+            draft_model = load_model(self.cfg.speculation.draft_model, self.cfg)[0]
+        self.spec = SpecDecoder(self.cfg.speculation, self.runner, self.kv, self.max_model_len, draft_model)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
@@ -150,101 +160,13 @@ class Engine:
             extra_keys=options.extra_keys,
             num_shared_prefix_tokens=options.num_shared_prefix_tokens,
             tenant=options.tenant,
+            speculation=options.speculation,
+            tpot_target_s=options.tpot_target_s,
         )
         for t in output_token_ids:
             req.append_token(t)
         return req
 
-    # ------------------------------------------------------- KV handed over from another engine
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, options: RequestOptions,
-                *, num_kv_tokens: int) -> list[int] | None:
-        """Decode side of disaggregation, step 1: validates the request (prompt + `options`' output
-        tokens) and allocates blocks for the `num_kv_tokens` tokens whose KV another engine computed
-        (offloading batch KV for an interactive request: `Scheduler.make_room`). Returns the block
-        ids to write (`runner.write_blocks`), or None when the pool or the batch has no room now."""
-        req = self._new_request(request_id, prompt_token_ids, params, options)
-        assert 0 < num_kv_tokens < req.num_tokens, "the last token's KV is computed here, by the first decode"
-        req.priority_rank = options.priority_rank
-        if self.scheduler.make_room(req, num_kv_tokens, need_row=self._rows_taken(), busy=self._executing):
-            self.scheduler.offload.apply(self.runner)  # read out before this KV lands in those blocks
-        if self._rows_taken():
-            return None
-        if not self.kv.allocate_slots(req, num_kv_tokens):
-            return None
-        req.num_computed_tokens = num_kv_tokens
-        self._reserved[request_id] = req
-        return self.kv.block_ids(request_id)
-
-    def commit(self, request_id: str) -> Request:
-        """Step 2, once every shard is written: the request joins the running batch."""
-        req = self._reserved.pop(request_id)
-        self.kv.cache_computed_blocks(req)
-        self.requests[request_id] = req
-        self.outputs.add(req)
-        self.scheduler.add_running(req)
-        return req
-
-    def resume_from_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv: torch.Tensor, options: RequestOptions, num_kv_tokens: int | None = None) -> bool:
-        """Resumes a request (prompt + `options.output_token_ids`) from the KV its last engine saved
-        of its first `num_kv_tokens` tokens (default: all of `kv` [L, 2, n, block_size, Hkv, D]). The
-        tail is computed here, its output positions one token a step as the interrupted decode
-        steps did, so the continuation has the same bits. False (nothing changed): no room now."""
-        bs = self.cfg.block_size
-        num_tokens = len(prompt_token_ids) + len(options.output_token_ids)
-        n = min(kv.shape[2] * bs if num_kv_tokens is None else num_kv_tokens, num_tokens - 1)
-        if n < 1 or n > kv.shape[2] * bs:
-            raise ValueError(f"{request_id}: {n} tokens of saved KV do not fit {kv.shape[2]} blocks, or none to resume")
-        block_ids = self.reserve(request_id, prompt_token_ids, params, options, num_kv_tokens=n)
-        if block_ids is None:
-            return False
-        self.runner.write_blocks(block_ids, kv[:, :, : len(block_ids)])
-        self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
-        return True
-
-    def _rows_taken(self) -> bool:
-        return len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs
-
-    def is_reserved(self, request_id: str) -> bool:
-        return request_id in self._reserved  # blocks wait for the request's KV, not yet committed
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        """KV that never arrived: frees the reserved blocks."""
-        req = self._reserved.pop(request_id, None)
-        if req is None:
-            return False
-        self.kv.free(req)
-        return True
-
-    def import_cached_blocks(self, block_hashes: Sequence[BlockHash], kv: torch.Tensor, tenant: str = "") -> int:
-        """Writes blocks fetched from the prefix-cache pool (`kv`: [L, 2, n, block_size, Hkv, D]) into this
-        engine's prefix cache, free-but-cached under their hashes, charged to `tenant`; how many (0: no room)."""
-        n = len(block_hashes)
-        assert kv.shape[2] == n
-        if not self.cfg.enable_prefix_caching or n == 0 or not self.kv.pool.can_allocate(n):
-            return 0
-        blocks = self.kv.pool.allocate(n, tenant)
-        self.runner.write_blocks([b.block_id for b in blocks], kv)
-        for block, block_hash in zip(blocks, block_hashes):
-            self.kv.pool.cache_block(block, block_hash)
-        self.kv.pool.free(reversed(blocks))
-        return n
-
-    def cached_prefix_len(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of a hash chain this engine holds in its prefix cache."""
-        return self.kv.cached_prefix_len(block_hashes)
-
-    def held_kv(self, request_id: str) -> tuple[list[int], int]:
-        """(block ids, number of tokens with KV) of a finished `hold_kv` request."""
-        req = self._held[request_id]
-        return self.kv.block_ids(request_id), req.num_computed_tokens
-
-    def release_kv(self, request_id: str) -> bool:
-        req = self._held.pop(request_id, None)
-        if req is None:
-            return False
-        self.kv.free(req)
-        return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drops a request wherever it is (queued, running, reserved, held) and frees its blocks."""
@@ -269,7 +191,13 @@ class Engine:
         prepared = self.prepare_step()
         if prepared is None:
             return []
-        return self.finish_step(prepared, self.runner.execute(prepared.chunks))
+        return self.finish_step(prepared, self.execute(prepared))
+
+    def execute(self, prepared: PreparedStep) -> torch.Tensor:
+        """The step's forward (and its drafting passes, when rows speculate): its logits. Runs
+        outside the engine's bookkeeping (see `prepare_step`)."""
+        self.spec.draft(prepared.spec, prepared.chunks)
+        return self.runner.execute(prepared.chunks)
 
     def prepare_step(self) -> PreparedStep | None:
         """Schedules one step. Between this and `finish_step` the forward runs, and other engine calls
@@ -287,38 +215,49 @@ class Engine:
             chunks.append(SeqChunk(req.token_ids[start : start + n], start, self.kv.block_ids(req.request_id), needs_logits))
             if needs_logits:
                 due.append(req)
+        spec = self.spec.plan(batch, chunks, self.cfg.max_num_batched_tokens)
         self._executing = {r.request_id for r in batch.requests}
-        return PreparedStep(batch, chunks, due, time.perf_counter())
+        return PreparedStep(batch, chunks, due, time.perf_counter(), spec)
 
     def finish_step(self, prepared: PreparedStep, logits: torch.Tensor) -> list[RequestOutput]:
         batch, due = prepared.batch, prepared.due
         self._executing = set()
         outputs = []
         prefill_tokens, prefill_pairs, decode_rows, decode_context = 0, 0.0, 0, 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            if n == 1 and start > 0:
+        for req, n, chunk in zip(batch.requests, batch.num_new_tokens, prepared.chunks):
+            start, forwarded = req.num_computed_tokens, len(chunk.token_ids)  # a verify: 1 + drafts
+            if forwarded == 1 and start > 0:
                 decode_rows += 1
                 decode_context += start + 1
             else:
-                prefill_tokens += n
-                prefill_pairs += n * (start + n / 2.0)
+                prefill_tokens += forwarded
+                prefill_pairs += forwarded * (start + forwarded / 2.0)
             req.num_computed_tokens += n
-            req.num_forwarded_tokens += n
+            req.num_forwarded_tokens += forwarded
             self.kv.cache_computed_blocks(req)
             if req.prefill_only and req.num_computed_tokens == req.num_tokens and req.request_id not in self._aborted:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_PREFILLED, self.outputs.finish))
-        self._num_forwarded_tokens += batch.num_tokens
+        forwarded = sum(len(c.token_ids) for c in prepared.chunks)
+        self._num_forwarded_tokens += forwarded
+        emitted = []
         if due:
-            result = self.sampler.sample(logits, [r.sampling for r in due], self.eos_token_ids)
-            for req, token_id, lp in zip(due, result.token_ids, result.logprobs):
+            speculating = {r.req.request_id for r in prepared.spec}
+            for req, (tokens, lps) in zip(due, self.spec.sample(self.sampler, logits, due, prepared.spec,
+                                                                self.eos_token_ids)):
+                emitted.append(len(tokens))
                 if req.request_id in self._aborted:
                     continue
-                req.append_token(token_id)
-                out, status = self.outputs.on_token(req, token_id, lp, self._check_stop(req, token_id))
+                status = None
+                for token_id, lp in zip(tokens, lps):  # 1 + accepted drafts, up to a stop
+                    req.append_token(token_id)
+                    out, status = self.outputs.on_token(req, token_id, lp, self._check_stop(req, token_id))
+                    outputs.append(out)
+                    if status is not None:
+                        break
+                if req.request_id in speculating:
+                    self.spec.settle(req)
                 if status is not None:
                     self._finish(req, status)
-                outputs.append(out)
         for request_id in self._aborted:
             out = self.abort(request_id)
             if out is not None:
@@ -326,6 +265,7 @@ class Engine:
         self._aborted = set()
         self._num_steps += 1
         self._last_step_s = time.perf_counter() - prepared.started_s
+        self.spec.observe(due, emitted, forwarded, self._last_step_s, set(self.requests))
         self._step_records.append(
             StepRecord(prefill_tokens, prefill_pairs, decode_rows, decode_context, self._last_step_s))
         return outputs
@@ -389,6 +329,10 @@ class Engine:
             num_offloads=self.scheduler.offload.num_offloads,
             offloaded_bytes=self.scheduler.offload.used_bytes,
             kv_blocks_by_tenant=tuple(sorted(self.kv.pool.usage().items())),
+            spec_method=self.cfg.speculation.method,
+            num_spec_steps=self.spec.num_spec_steps,
+            num_draft_tokens=self.spec.num_draft_tokens,
+            num_accepted_tokens=self.spec.num_accepted_tokens,
             num_steps=self._num_steps,
             num_forwarded_tokens=self._num_forwarded_tokens,
             last_step_s=self._last_step_s,

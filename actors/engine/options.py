@@ -41,6 +41,11 @@ class RequestOptions:
     priority_rank: int = 0
     # Whose KV this is: the engine's per-tenant block shares (`EngineConfig.tenant_kv_shares`).
     tenant: str = ""
+    # Speculative decoding (EngineConfig.speculation): False never speculates for this request
+    # (`x-ferry-speculation: off`); `tpot_target_s` is its TPOT target, whose slack ranks the rows
+    # that speculate (None: no target).
+    speculation: bool = True
+    tpot_target_s: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object

@@ -29,6 +29,8 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified for the request so far
+    num_accepted_tokens: int = 0  # of which accepted
     time: float = field(default_factory=time.monotonic)
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
@@ -70,6 +72,10 @@ class EngineStats:
     num_offloads: int = 0  # preempted batch requests whose KV went to host memory (and came back)
     offloaded_bytes: int = 0  # host memory their KV takes now
     kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()  # blocks charged to each tenant (block_pool.py)
+    spec_method: str = "off"  # speculative decoding (spec/): the proposer, and its totals
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_blocks_used(self) -> int:
@@ -150,6 +156,8 @@ class OutputProcessor:
             stop_reason=req.stop_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_prefix_hit_tokens,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
 
 

@@ -62,6 +62,10 @@ class Request:
     # same bits. None: chunks as the budget allows.
     stepwise_from: int | None = None
     stop_reason: int | str | None = None
+    speculation: bool = True  # may verify drafted tokens (spec/): False opts the request out
+    tpot_target_s: float | None = None  # its TPOT target: short slack speculates first
+    num_draft_tokens: int = 0  # drafted tokens verified for it so far
+    num_accepted_tokens: int = 0  # of which accepted
     block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:

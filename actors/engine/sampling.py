@@ -257,7 +257,7 @@ def draw_index(probs: torch.Tensor, u: float) -> torch.Tensor:
     return torch.where(idx < probs.numel(), idx, probs.argmax())  # past the end: only NaN/inf mass
 
 
-def _token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
     logprobs = torch.log_softmax(logits_row, dim=-1)  # raw model distribution, as OpenAI reports
     top: list[tuple[int, float]] = []
     if num_top:
@@ -306,7 +306,7 @@ class Sampler:
                 ids[i] = draw_index(filter_probs(row, p), uniform_for(state.seed, len(state.output_token_ids)))
         token_ids: list[int] = ids.tolist()
         logprobs: list[TokenLogprobs | None] = [
-            None if s.params.logprobs is None else _token_logprobs(raw, token, s.params.logprobs)
+            None if s.params.logprobs is None else token_logprobs(raw, token, s.params.logprobs)
             for raw, s, token in zip(logits, states, token_ids)]
         return SampleResult(token_ids, logprobs)
 
