@@ -27,7 +27,9 @@ def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserv
                       num_total_blocks=s.num_blocks_total, last_step_s=s.last_step_s,
                       healthy=async_engine.is_alive, rss_bytes=process_rss_bytes(), shadow_bytes=shadow_bytes,
                       kv_blocks_by_tenant=s.kv_blocks_by_tenant,
-                      offloaded_bytes=s.offloaded_bytes)
+                      offloaded_bytes=s.offloaded_bytes, spec_method=s.spec_method,
+                      num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+                      num_spec_steps=s.num_spec_steps)
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -67,6 +67,11 @@ class GenerationRequest:
     # set by the router, the same for every attempt, so a resume finds the blocks an earlier one
     # saved and nobody else can. None: not shadowed (a recovery recomputes).
     shadow_salt: str | None = None
+    # False: the engine never speculates for it (the caller's `x-ferry-speculation: off`, or its
+    # tenant's `speculation: off`). `tpot_target_s`: its TPOT target, set from the placement (the
+    # tenant's SLO); the engine speculates first for rows short of TPOT slack. None: no target.
+    speculation: bool = True
+    tpot_target_s: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object
@@ -82,6 +87,8 @@ class GenerationRequest:
             raise ValueError("num_shared_prefix_tokens must be >= 0")
         if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
             raise ValueError("max_chunk_tokens must be >= 1")
+        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
+            raise ValueError("tpot_target_s must be positive")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +114,8 @@ class GenerationRequest:
             max_chunk_tokens=None if prefill_only else self.max_chunk_tokens,
             priority_rank=self.priority_rank,
             tenant=self.tenant,
+            speculation=self.speculation,
+            tpot_target_s=self.tpot_target_s,
         )
 
 
@@ -142,6 +151,14 @@ class PrefillResult:
     kv_codec_predictions: tuple[tuple[str, float], ...] = ()
 
 
+def spec_report(method: str, num_draft_tokens: int, num_accepted_tokens: int, num_spec_steps: int) -> dict[str, object]:
+    """An engine's speculative decoding as JSON-able figures (`/health`): its method, cumulative
+    draft tokens proposed and accepted, steps that verified drafts, and the acceptance rate."""
+    rate = round(num_accepted_tokens / num_draft_tokens, 4) if num_draft_tokens else None
+    return {"method": method, "draft_tokens": num_draft_tokens, "accepted_tokens": num_accepted_tokens,
+            "spec_steps": num_spec_steps, "acceptance_rate": rate}
+
+
 def mib_or_none(num_bytes: int) -> int | None:
     """Whole MiB for reports; None for 0, which means "not known" for a process's memory."""
     return round(num_bytes / (1 << 20)) or None
@@ -166,6 +183,12 @@ class WorkerLoad:
     # Engine KV blocks charged to each tenant (in use, plus free ones holding its cached prefixes)
     kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
     offloaded_bytes: int = 0  # host memory the KV of preempted batch requests takes (engine offload)
+    # Speculative decoding (`EngineConfig.speculation`): the method, and the engine's cumulative
+    # draft tokens proposed and accepted, and steps that verified drafts, since it started.
+    spec_method: str = "off"
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     @property
     def rss_mib(self) -> int | None:
@@ -178,6 +201,15 @@ class WorkerLoad:
     @property
     def num_active(self) -> int:
         return self.num_running + self.num_waiting + self.num_reserved
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """Accepted over proposed draft tokens since the engine started; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def spec_report(self) -> dict[str, object]:
+        """Speculation as JSON-able figures, for `/health`."""
+        return spec_report(self.spec_method, self.num_draft_tokens, self.num_accepted_tokens, self.num_spec_steps)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class FlightEvent:
     times: tuple[float, ...] = ()
     num_output_tokens: int | None = None
     state: FlightState | None = None
+    spec: tuple[int, int] | None = None  # FINISH: draft tokens (proposed, accepted) over every attempt
 
 
 @dataclass(frozen=True, slots=True)

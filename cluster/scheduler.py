@@ -285,7 +285,11 @@ class GlobalScheduler:
         for _ in range(len(token_ids) if token_ids else count):
             self.timelines.token(rid, t)
 
-    def on_finish(self, rid: RequestId, t: float | None = None, num_output_tokens: int | None = None) -> None:
+    def on_finish(self, rid: RequestId, t: float | None = None, num_output_tokens: int | None = None,
+                  spec: tuple[int, int] | None = None) -> None:
+        """The request completed; `spec`: its draft tokens (proposed, accepted), for its timeline."""
+        if spec is not None:
+            self.timelines.spec(rid, *spec)
         self._leave(rid, self.clock.now() if t is None else t, num_output_tokens, completed=True)
 
     def cancel(self, rid: RequestId, t: float | None = None) -> None:

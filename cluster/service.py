@@ -182,7 +182,7 @@ class SchedulerService:
             assert event.stage is not None
             s.on_stage(rid, Stage(event.stage), event.t)
         elif event.kind is EventKind.FINISH:
-            s.on_finish(rid, event.t, event.num_output_tokens)
+            s.on_finish(rid, event.t, event.num_output_tokens, event.spec)
         elif event.kind is EventKind.CANCEL:
             s.cancel(rid, event.t)
         else:

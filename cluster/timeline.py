@@ -7,10 +7,12 @@ Mental model: a request's life is a sequence of stamped stages
 
 plus one timestamp per streamed token. `RequestTimeline.breakdown()` turns the stamps into
 durations (queue, prefix lookup, prefill compute, KV transfer, decode admission wait, TTFT, TPOT,
-inter-token gaps) that the HTTP layer serves as JSON. Stages a deployment does not report are
-simply absent. Memory is bounded twice: at most `max_finished` finished timelines are kept
-(oldest dropped first), and at most `max_tokens_kept` token stamps per request, as packed doubles (the
-count, the first and the last token are always exact).
+inter-token gaps) that the HTTP layer serves as JSON, with `decode_spec`: the draft tokens its
+decode engines proposed and accepted (speculative decoding), reported with the request's end.
+Stages a deployment does not report are simply absent. Memory is bounded twice: at most
+`max_finished` finished timelines are kept (oldest dropped first), and at most `max_tokens_kept`
+token stamps per request, as packed doubles (the count, the first and the last token are always
+exact).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class RequestTimeline:
     num_tokens: int = 0
     last_token_time: float | None = None
     num_recoveries: int = 0
+    spec: tuple[int, int] | None = None  # speculative decoding: draft tokens (proposed, accepted), every attempt
 
     def stamp(self, stage: Stage, t: float) -> None:
         if stage in (Stage.RECOVERED, Stage.PREEMPTED):
@@ -97,6 +100,9 @@ class RequestTimeline:
             "num_recoveries": self.num_recoveries,
             "max_itl_s": max(itl) if itl else None,
             "token_times": list(self.token_times),
+            "decode_spec": None if self.spec is None else {
+                "draft_tokens": self.spec[0], "accepted_tokens": self.spec[1],
+                "acceptance_rate": self.spec[1] / self.spec[0] if self.spec[0] else None},
         }
 
 
@@ -126,6 +132,12 @@ class TimelineStore:
         tl = self._live.get(rid)
         if tl is not None:
             tl.token(t)
+
+    def spec(self, rid: RequestId, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """What speculative decoding did for the request, as its decode worker reported at its end."""
+        tl = self._live.get(rid)
+        if tl is not None:
+            tl.spec = (num_draft_tokens, num_accepted_tokens)
 
     def finish(self, rid: RequestId, t: float, stage: Stage = Stage.FINISHED) -> None:
         """Move a timeline to the finished set (stamping `stage`), evicting the oldest if full."""

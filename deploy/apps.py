@@ -143,7 +143,8 @@ class FerryIngress:
                     resources.device, resources.actor_options())
 
     def _router_config(self) -> RouterConfig:
-        return replace(self.cfg.to_router_config(), **self.scheduler_cfg.kv_shadowing())  # type: ignore[arg-type]
+        tenants = {**self.scheduler_cfg.kv_shadowing(), **self.scheduler_cfg.speculation_policy()}
+        return replace(self.cfg.to_router_config(), **tenants)  # type: ignore[arg-type]
 
     def _serve_workers(self, workers: dict[str, Any]) -> Router:
         """The router over the worker deployments' replicas (found on the first poll), after

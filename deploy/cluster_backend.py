@@ -6,8 +6,8 @@ the `Router` (cluster/router/), which owns placement, deadlines, recovery and ab
 stream early aborts the request on its worker (the router fires the abort without awaiting, as the
 Backend contract requires). The scheduler's refusals reach HTTP here: over budget or SLO as `Refused` (429 with
 Retry-After), an unknown tenant 403, a request too large 413, no healthy worker 503. `/health`
-reports each worker's load, memory and KV plan (how its pool was sized: device, blocks, bytes,
-explicit or planned, and what capped it).
+reports each worker's load, memory, KV plan (how its pool was sized: device, blocks, bytes,
+explicit or planned, and what capped it) and speculative decoding (method, draft tokens, acceptance).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cluster.router.choice import NoWorkers, PlacementRefused
 from cluster.router.client import Router
 from deploy.openai.backend import Refused
 from deploy.openai.errors import ApiError
+from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 from deploy.pool_source import PoolSource
 
@@ -61,7 +62,8 @@ class ClusterBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        req = GenerationRequest(request_id, tuple(prompt_token_ids), params, tenant=tenant, arrival_time=time.time())
+        req = GenerationRequest(request_id, tuple(prompt_token_ids), params, tenant=tenant, arrival_time=time.time(),
+                                speculation=requested_speculation())  # the router adds the tenant's say
         trace = self.timelines.open(request_id, tenant)
         started = finished = False
         try:
@@ -105,7 +107,7 @@ class ClusterBackend:
                           "rss_mib": w.rss_mib, "kv_shadow_mib": round(w.shadow_bytes / 2**20, 1),
                           "kv_blocks_by_tenant": dict(w.kv_blocks_by_tenant),
                           "kv_offloaded_mib": round(w.offloaded_bytes / 2**20, 1),
-                          "kv_plan": w.kv_plan_report()}
+                          "kv_plan": w.kv_plan_report(), "speculation": w.spec_report()}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         room = self.client.room  # requests waiting for a decode row now, and how many ever had to

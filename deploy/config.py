@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.engine.config import EngineConfig
+from actors.engine.spec import SpecConfig
 from actors.engine.shares import TenantShares
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.worker_config import WorkerConfig, WorkerResources, plan_worker_resources
@@ -36,6 +37,42 @@ class ConfigSection(BaseModel):
     an error naming it, and a validated section is frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeculationSection(ConfigSection):
+    """Speculative decoding in the decode (and colocated) engines: a cheap proposer drafts a few
+    tokens per row, one forward of the model verifies them all; greedy output is unchanged, seeded
+    sampling stays reproducible. The engine decides per step which rows draft and how many (by
+    their measured acceptance and TPOT slack; nothing when the batch is compute-bound)."""
+
+    method: Literal["off", "ngram", "early_exit", "draft"] = Field(
+        "off", description="off; ngram, drafts looked up in the request's own tokens (prompt lookup: free, "
+                           "pays on inputs that repeat: code edits, summaries, RAG); early_exit, the model's "
+                           "first exit_layer layers draft; draft, a separate small model (draft_model) with "
+                           "the same vocabulary drafts")
+    max_draft_tokens: int = Field(4, ge=1, le=16, description="drafts per row and step at most")
+    ngram_max: int = Field(4, ge=1, description="ngram: longest suffix looked up")
+    ngram_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up")
+    exit_layer: int | None = Field(None, ge=1, description="early_exit: layers the draft runs (unset: half)")
+    draft_model: str | None = Field(None, description="draft: known name, .gguf file or HF folder")
+    sample_drafts: bool = Field(False, description="draft: sampled rows get sampled drafts, verified by "
+                                                   "rejection sampling (else the draft's greedy tokens)")
+    policy: Literal["auto", "always"] = Field(
+        "auto", description="auto: each step drafts only where it pays (few rows, good acceptance, short TPOT "
+                            "slack); always: every eligible row verifies max_draft_tokens (measuring, debugging)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculationSection":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) is above ngram_max ({self.ngram_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method draft needs draft_model (a known name, .gguf file or HF folder)")
+        return self
+
+    def to_spec_config(self) -> SpecConfig:
+        return SpecConfig(method=self.method, max_draft_tokens=self.max_draft_tokens, ngram_max=self.ngram_max,
+                          ngram_min=self.ngram_min, exit_layer=self.exit_layer, draft_model=self.draft_model,
+                          sample_drafts=self.sample_drafts, policy=self.policy)
 
 
 class EngineSection(ConfigSection):
@@ -75,6 +112,7 @@ class EngineSection(ConfigSection):
         1024, ge=0, description="host memory per worker for the KV of preempted batch-class requests: they "
                                 "resume from it, nothing recomputed, when interactive work needed their "
                                 "blocks; 0 turns offload off (they are recomputed)")
+    speculation: SpeculationSection = SpeculationSection()
 
 
 class TransferSection(ConfigSection):
@@ -166,7 +204,7 @@ class AppConfig(ConfigSection):
             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
             kv_cache_dtype=e.kv_cache_dtype, enable_prefix_caching=e.enable_prefix_caching,
             prepack_weights=e.prepack_weights, max_offload_bytes=e.max_offload_mib * MIB,
-            tenant_kv_shares=tenant_kv_shares or TenantShares(),
+            tenant_kv_shares=tenant_kv_shares or TenantShares(), speculation=e.speculation.to_spec_config(),
         )
         return engine if resources is None else resources.place(engine)
 

@@ -89,6 +89,9 @@ CLUSTER_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags
     ("ferry_kv_offloaded_bytes", _G, "Host memory holding the KV of a worker's offloaded batch requests (bytes).",
      ("worker", "kind")),
     ("ferry_engine_offloads", _C, "Preempted batch requests whose KV an engine moved to host memory.", ("worker",)),
+    ("ferry_spec_draft_tokens", _C, "Draft tokens a worker's engine proposed (speculative decoding).", ("worker",)),
+    ("ferry_spec_accepted_tokens", _C, "Draft tokens a worker's engine accepted: output tokens that took no step "
+     "of their own (over ferry_spec_draft_tokens: the acceptance rate).", ("worker",)),
     ("ferry_prefix_hbm_lookup_tokens", _C, "Prompt tokens looked up in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_hbm_hit_tokens", _C, "Prompt tokens found in an engine's own prefix cache.", ("worker",)),
     ("ferry_prefix_pool_lookups", _C, "Pool block lookups by answering tier: dram, disk, miss.", ("tier",)),
@@ -284,6 +287,8 @@ class ClusterMetricsExporter:
             for tenant in self._kv_tenants.setdefault(w.name, set()) | set(now):  # a tenant gone drops to 0
                 m["ferry_kv_tenant_blocks"].set(now.get(tenant, 0), {"worker": w.name, "tenant": tenant})
             self._kv_tenants[w.name] |= set(now)
+            self._add_total("ferry_spec_draft_tokens", w.num_draft_tokens, {"worker": w.name})
+            self._add_total("ferry_spec_accepted_tokens", w.num_accepted_tokens, {"worker": w.name})
         for name, e in snap.engines.items():
             self._add_total("ferry_prefix_hbm_lookup_tokens", e.num_prefix_queried_tokens, {"worker": name})
             self._add_total("ferry_prefix_hbm_hit_tokens", e.num_prefix_hit_tokens, {"worker": name})

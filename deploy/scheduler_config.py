@@ -51,6 +51,11 @@ class TenantSection(ConfigSection):
                             "fastest (transfer.compression decides when that is not auto); none, exact KV "
                             "required; int8 / fp8, always that codec (see README for their token agreement)")
 
+    speculation: Literal["off", "auto"] = Field(
+        "auto", description="speculative decoding for this tenant's requests: auto, the decode engines draft "
+                            "and verify tokens where it pays (engine.speculation says how; output unchanged); "
+                            "off, never (a request's x-ferry-speculation: off also turns it off)")
+
     kv_share_guaranteed: float = Field(
         0.0, ge=0, le=1, description="part of every engine's KV blocks and of each prefix-pool tier that other "
                                      "tenants cannot take from this one while it uses no more: eviction and "
@@ -154,6 +159,13 @@ class SchedulerSection(ConfigSection):
         default = self.default_tenant is not None and self.default_tenant.kv_recovery == "shadow"
         others = frozenset(n for n, t in self.tenants.items() if (t.kv_recovery == "shadow") != default)
         return {"shadow_kv": default, "shadow_exceptions": others}
+
+    def speculation_policy(self) -> dict[str, object]:
+        """The router's `speculation` (the default tenant's choice) and `speculation_exceptions`
+        (listed tenants that chose otherwise)."""
+        default = self.default_tenant is None or self.default_tenant.speculation == "auto"
+        others = frozenset(n for n, t in self.tenants.items() if (t.speculation == "auto") != default)
+        return {"speculation": default, "speculation_exceptions": others}
 
     def worker_policies(self) -> dict[str, object]:
         """What workers apply per tenant, as `AppConfig.to_worker_config`'s keywords: the tenants'

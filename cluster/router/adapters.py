@@ -28,7 +28,8 @@ def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerRep
         name=WorkerName(load.name), kind=WorkerKind(load.kind), num_running=load.num_running,
         num_waiting=load.num_waiting + load.num_reserved,
         num_free_blocks=max(0, min(load.num_free_blocks, load.num_total_blocks)),
-        num_total_blocks=load.num_total_blocks, block_size=block_size, healthy=load.healthy, report_time=now)
+        num_total_blocks=load.num_total_blocks, block_size=block_size, healthy=load.healthy, report_time=now,
+        num_spec_steps=load.num_spec_steps, num_accepted_tokens=load.num_accepted_tokens)
 
 
 def worker_telemetry(t: Telemetry) -> WorkerTelemetry:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from actors.messages import GenerationRequest, WorkerLoad
@@ -52,6 +52,16 @@ class PlacementChoice:
     # (SLO class rank, key): its place in the queue for a decode row, smaller first; the
     # scheduler's (rank, urgency), or None: interactive, by arrival time.
     priority: tuple[int, float] | None = None
+    # The request's TPOT target (its tenant's SLO, from the scheduler's placement); None: none known.
+    tpot_s: float | None = None
+
+    def apply(self, req: GenerationRequest) -> GenerationRequest:
+        """`req` as an attempt placed by this choice runs: with its SLO class rank (engines admit
+        a smaller rank first) and its TPOT target (engines speculate first for rows short of slack)."""
+        rank = req.priority_rank if self.priority is None else self.priority[0]
+        if rank == req.priority_rank and self.tpot_s == req.tpot_target_s:
+            return req
+        return replace(req, priority_rank=rank, tpot_target_s=self.tpot_s)
 
 
 class LocalPolicy(Protocol):
@@ -105,7 +115,7 @@ def following(decided: Placement, own: PlacementChoice, healthy: set[str]) -> Pl
         prefill = decided.prefill_worker if decided.prefill_worker in healthy else own.prefill
     return PlacementChoice(prefill, first + tuple(d for d in own.decodes if d != decode),
                            decided.local_chunk_tokens if prefill is None and first else None,
-                           (decided.priority.class_rank, decided.priority.key_s))
+                           (decided.priority.class_rank, decided.priority.key_s), decided.tpot_s)
 
 
 def lend_prefill(prefills: Sequence[WorkerLoad], decodes: Sequence[WorkerLoad]) -> PlacementChoice | None:

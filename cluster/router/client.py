@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import secrets
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -177,8 +176,7 @@ class Router:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if req.request_id in self.flights:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
-        if req.shadow_salt is None and self.cfg.shadows(req.tenant):
-            req = replace(req, shadow_salt=secrets.token_hex(16))  # the key to its KV shadows, every attempt
+        req = self.cfg.for_tenant(req)  # its KV shadows' key, its tenant's speculation choice
         flight = self.flights[req.request_id] = InFlight(req)
         finished = False
         try:
@@ -212,8 +210,7 @@ class Router:
         """One try at running `flight` where `choice` says; events are journaled as they pass."""
         req = flight.attempt_request()
         rid = req.request_id
-        if choice.priority is not None and choice.priority[0] != req.priority_rank:
-            req = replace(req, priority_rank=choice.priority[0])  # engines queue batch work behind
+        req = choice.apply(req)  # its class rank (engines queue batch work behind) and TPOT target
         flight.priority_rank = req.priority_rank
         handoff = choice.prefill is not None and req.needs_handoff
         if handoff:

@@ -81,6 +81,10 @@ class InFlight:
     resume_at: asyncio.Future[PlacementChoice] | None = None  # while preempted: where it runs next
     _text_base: str = ""
     _replay: list[int] = field(default_factory=list)  # streamed tokens the attempt samples again
+    # Draft tokens (proposed, accepted) of the attempts before this one, and this one's running
+    # totals: a worker counts its attempt only, the client's stream counts them all.
+    _spec_base: tuple[int, int] = (0, 0)
+    _spec: tuple[int, int] = (0, 0)
 
     @property
     def request_id(self) -> str:
@@ -101,6 +105,11 @@ class InFlight:
         done = self.streamed[: self.emitted_tokens]
         return replace(self.req, output_token_ids=tuple(done)) if done else self.req
 
+    @property
+    def spec_totals(self) -> tuple[int, int]:
+        """Draft tokens (proposed, accepted) of every attempt so far."""
+        return self._spec_base[0] + self._spec[0], self._spec_base[1] + self._spec[1]
+
     def touches(self, workers: frozenset[str]) -> bool:
         """Whether this request loses state if `workers` die: its decode worker always, its
         prefill worker until the KV has been delivered."""
@@ -112,6 +121,7 @@ class InFlight:
         self.attempt += 1
         self._text_base = self.text
         self._replay = self.streamed[self.emitted_tokens:]
+        self._spec_base, self._spec = self.spec_totals, (0, 0)
         self.issued.clear()
         self.issued_at = None
 
@@ -131,10 +141,11 @@ class InFlight:
 
     def on_event(self, event: TokenEvent) -> TokenEvent | None:
         """Journals a streamed event and rewrites it to read as one stream: the client's request
-        id, the text so far counted from the first attempt, and without the tokens sampled again
-        (None when nothing is left to show)."""
+        id, the text and the draft-token totals so far counted from the first attempt, and without
+        the tokens sampled again (None when nothing is left to show)."""
         out = event.output
         new_ids, logprobs = out.new_token_ids, out.logprobs
+        self._spec = (out.num_draft_tokens, out.num_accepted_tokens)
         if self._replay and new_ids:
             n = min(len(self._replay), len(new_ids))
             if tuple(self._replay[:n]) != tuple(new_ids[:n]):
@@ -156,7 +167,8 @@ class InFlight:
             return event
         if not new_ids and not out.new_text and not out.finished:
             return None
+        drafts, accepted = self.spec_totals
         stitched = replace(out, request_id=self.req.request_id, new_token_ids=new_ids, logprobs=logprobs,
-                           text=self._text_base + out.text)
+                           text=self._text_base + out.text, num_draft_tokens=drafts, num_accepted_tokens=accepted)
         self.text = stitched.text
         return replace(event, output=stitched)

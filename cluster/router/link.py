@@ -213,7 +213,7 @@ class SchedulerLink:
     def on_done(self, flight: InFlight, finished: bool, t: float) -> None:
         rid = RequestId(flight.request_id)
         kind = EventKind.FINISH if finished else EventKind.CANCEL
-        self._push(FlightEvent(kind, rid, t, num_output_tokens=len(flight.streamed)))
+        self._push(FlightEvent(kind, rid, t, num_output_tokens=len(flight.streamed), spec=flight.spec_totals))
         self._assigned.pop(rid, None)
         self._classes.pop(rid, None)
         self._hashes.pop(rid, None)

@@ -20,7 +20,8 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.colocated import process_rss_bytes
 from actors.engine.tokenizer import Tokenizer
-from actors.messages import mib_or_none
+from actors.messages import mib_or_none, spec_report
+from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class Backend(Protocol):
       or cancelling the task iterating it) aborts the request and frees its KV everywhere; the
       abort must be set going before the generator's cleanup first awaits, because a cancelled
       caller (anyio cancels level-triggered) may not let a later await finish. The `tenant`
-      decides cache isolation and budgets; request ids are unique (the app makes them).
+      decides cache isolation and budgets; request ids are unique (the app makes them). Whether
+      the caller allows speculative decoding (`x-ferry-speculation`) is
+      `deploy.openai.speculation.requested_speculation()` when `generate` is first iterated.
     - `health()` returns a JSON-able dict with `"healthy": bool` and any detail; raising or
       taking longer than the app's deadline counts as unhealthy.
     - Optional `timeline(request_id) -> dict | None`: the token-level latency breakdown of a
@@ -118,7 +121,8 @@ class EngineBackend:
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
         trace = self.timelines.open(request_id, tenant)
         stream: AsyncIterator[RequestOutput] = self.async_engine.generate(
-            request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant), tenant=tenant))
+            request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant), tenant=tenant,
+                                                                 speculation=requested_speculation()))
         started = finished = False
         try:
             async for out in stream:
@@ -161,6 +165,8 @@ class EngineBackend:
             "num_blocks_free": stats.num_blocks_free,
             "rss_mib": mib_or_none(process_rss_bytes()),  # this process: the engine runs in it
             "kv_plan": engine.engine.kv_plan.to_dict(),  # how the KV pool was sized (fixed at start)
+            "speculation": spec_report(stats.spec_method, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                       stats.num_spec_steps),
         }
 
     def timeline(self, request_id: str) -> dict[str, Any] | None:

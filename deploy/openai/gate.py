@@ -10,7 +10,9 @@ response gets `x-request-id`; an exception nobody handled becomes a 500 that nam
 leaks nothing.
 
 Scope state written here: `request_hex` (the id's random part; endpoints name their requests
-`cmpl-<hex>` / `chatcmpl-<hex>` and store that in `request_id`), `request_id`, `tenant`.
+`cmpl-<hex>` / `chatcmpl-<hex>` and store that in `request_id`), `request_id`, `tenant`, and
+`speculation` (the `x-ferry-speculation` header: speculation.py; an unknown value is a 400), which
+is also set for the request's task (`speculation.requested_speculation()`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deploy.openai import speculation
 from deploy.openai.config import ApiConfig
 from deploy.openai.errors import ApiError, internal_error
 
@@ -62,10 +65,16 @@ class Gate:
             headers = Headers(scope=scope)
             is_api = route_path(scope).startswith("/v1/")  # docs and /health stay public
             state["tenant"] = self._tenant(headers) if is_api else self.cfg.default_tenant
-            if scope["method"] in _BODY_METHODS:
-                receive = await self._buffered(headers, receive)
-                scope["headers"] = _as_json(scope["headers"])
-            await self.app(scope, receive, send_with_id)
+            # The caller's say on speculative decoding, for the backend building the engine request.
+            state["speculation"] = allowed = _speculation(headers) if is_api else True
+            token = speculation.request_speculation(allowed)
+            try:
+                if scope["method"] in _BODY_METHODS:
+                    receive = await self._buffered(headers, receive)
+                    scope["headers"] = _as_json(scope["headers"])
+                await self.app(scope, receive, send_with_id)
+            finally:
+                speculation.reset(token)
         except _ClientGone:
             return
         except ApiError as e:
@@ -136,6 +145,16 @@ def _as_json(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """Every body this API takes is JSON: parse it as JSON whatever Content-Type says (curl -d sends
     form-urlencoded), so a bad body is reported as bad JSON, not as a missing object."""
     return [(k, v) for k, v in raw if k.lower() != b"content-type"] + [(b"content-type", b"application/json")]
+
+
+def _speculation(headers: Headers) -> bool:
+    values = headers.getlist(speculation.HEADER)
+    allowed = speculation.parse_speculation(values[-1] if values else None)
+    if allowed is None:
+        raise ApiError(400, f"Invalid {speculation.HEADER} header {values[-1]!r}: use 'off' (no speculative "
+                            "decoding for this request) or 'auto' (the engine decides).",
+                       param=speculation.HEADER, code="invalid_header")
+    return allowed
 
 
 def _too_large(size: str, limit: int) -> ApiError:

@@ -5,7 +5,8 @@ Mental model: a trace is opened when a request is handed to the engine and fed e
 `GET /v1/requests/{id}/timeline` can show recent requests. In the colocated engine queueing and
 prefill cannot be told apart from outside, so the first stage ("prefill", queueing included) ends
 at the first token and "decode" runs from there to the last token. All times in the answer are
-milliseconds from arrival.
+milliseconds from arrival. `decode.spec` is what speculative decoding did for the request: draft
+tokens its decode engine proposed and accepted (the outputs' running totals, over every attempt).
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ class Trace:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # Speculative decoding's running totals for the request (every output carries them; a
+    # resumed request's count from its first attempt): draft tokens proposed, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def on_output(self, out: RequestOutput) -> None:
         self.token_times.extend([out.time] * len(out.new_token_ids))
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
+        self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
 
@@ -62,7 +68,14 @@ class Trace:
             "stages": stages,
             "token_times_ms": times_ms,
             "itl_ms": itl_ms,
+            "decode": {"spec": self.spec()},
         }
+
+    def spec(self) -> dict[str, Any]:
+        """`decode.spec`: the request's draft tokens, accepted ones, and their ratio (None: no drafts)."""
+        n, accepted = self.num_draft_tokens, self.num_accepted_tokens
+        rate = round(accepted / n, 4) if n else None
+        return {"draft_tokens": n, "accepted_tokens": accepted, "acceptance_rate": rate}
 
 
 class TimelineRecorder:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from cluster.descriptors import RequestId, TenantId
+from actors.engine.output import RequestOutput
+from actors.engine.sampling import SamplingParams
+from actors.messages import GenerationRequest, TokenEvent
+from cluster.config import SchedulerConfig
+from cluster.descriptors import RequestId, TenantId, WorkerKind, WorkerName, WorkerReport
+from cluster.flights import EventKind, FlightEvent
+from cluster.placement import Placement
+from cluster.router.adapters import request_desc
+from cluster.router.flight import InFlight
+from cluster.service import SchedulerService
 from cluster.timeline import Stage, TimelineStore
 
 
@@ -40,3 +51,35 @@ def test_store_keeps_only_the_most_recent_finished() -> None:
         store.finish(rid, i + 0.5)
     assert [b["request_id"] for b in store.recent()] == ["r3", "r2"]
     assert store.get(RequestId("r0")) is None and store.num_finished == 2
+
+
+def test_a_finished_request_carries_what_speculative_decoding_did() -> None:
+    """The ingress reports a request's draft tokens with its end (`FlightEvent.spec`, over every
+    attempt); its timeline shows them as `decode_spec`. A cancelled request has none."""
+    svc = SchedulerService(SchedulerConfig(heartbeat_timeout_s=60.0))
+    svc.rebuild("ing", [], [WorkerReport(WorkerName(n), kind, 0, 0, 1000, 1000) for n, kind in (
+        ("p0", WorkerKind.PREFILL), ("d0", WorkerKind.DECODE))])
+    for rid in ("done", "gone"):
+        req = GenerationRequest(rid, tuple(range(4, 40)), SamplingParams(max_tokens=8))
+        assert isinstance(svc.submit(request_desc(req), req.seed), Placement)
+    flight = InFlight(GenerationRequest("done", (4, 5), SamplingParams(max_tokens=8)))
+    flight.on_event(TokenEvent(RequestOutput("done", (9,), "a", "a", (9,), num_draft_tokens=6, num_accepted_tokens=4),
+                               0.0, "d0"))
+    flight.next_attempt()  # resumed elsewhere: that engine counts from 0
+    flight.on_event(TokenEvent(RequestOutput("done", (7,), "b", "b", (7,), num_draft_tokens=3, num_accepted_tokens=1),
+                               0.0, "d1"))
+    assert flight.spec_totals == (9, 5)
+    t = time.time()
+    svc.report("ing", [(1, [FlightEvent(EventKind.FINISH, RequestId("done"), t, num_output_tokens=8,
+                                        spec=flight.spec_totals),
+                            FlightEvent(EventKind.CANCEL, RequestId("gone"), t)])])
+    done, gone = svc.timeline("done"), svc.timeline("gone")
+    assert done is not None and gone is not None
+    assert done["decode_spec"] == {"draft_tokens": 9, "accepted_tokens": 5, "acceptance_rate": pytest.approx(5 / 9)}
+    assert gone["decode_spec"] is None
+    store = TimelineStore()
+    store.start(RequestId("z"), TenantId("t"), 0.0)
+    store.spec(RequestId("z"), 0, 0)
+    store.spec(RequestId("unknown"), 1, 1)  # not live: ignored
+    assert store.get(RequestId("z"))["decode_spec"] == {  # type: ignore[index]
+        "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None}

@@ -1,0 +1,71 @@
+"""Speculative decoding in the app config: `engine.speculation` mapped to the engines' `SpecConfig`
+(with clear errors), and each tenant's `speculation: off | auto` mapped to the router's setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from actors.engine.spec import SpecConfig
+from cluster.router.config import RouterConfig
+from deploy.config import ConfigError, load_config
+from deploy.scheduler_config import SchedulerSection
+
+
+def test_speculation_is_off_by_default() -> None:
+    engine = load_config({}).to_engine_config()
+    assert engine.speculation == SpecConfig() and engine.speculation.method == "off"
+
+
+def test_every_field_of_the_block_maps_to_the_engines_spec_config(tmp_path: Path) -> None:
+    (tmp_path / "app.yaml").write_text(
+        "engine:\n"
+        "  speculation:\n"
+        "    method: draft\n"
+        "    max_draft_tokens: 6\n"
+        "    ngram_max: 5\n"
+        "    ngram_min: 3\n"
+        "    exit_layer: 7\n"
+        "    draft_model: /models/tiny.gguf\n"
+        "    sample_drafts: true\n"
+        "    policy: always\n")
+    cfg = load_config(tmp_path / "app.yaml")
+    want = SpecConfig(method="draft", max_draft_tokens=6, ngram_max=5, ngram_min=3, exit_layer=7,
+                      draft_model="/models/tiny.gguf", sample_drafts=True, policy="always")
+    assert cfg.to_engine_config().speculation == want
+    assert cfg.to_worker_config().engine.speculation == want  # what every worker's engine gets
+    ngram = load_config({"engine": {"speculation": {"method": "ngram"}}}).to_engine_config().speculation
+    assert (ngram.method, ngram.max_draft_tokens, ngram.ngram_min, ngram.ngram_max) == ("ngram", 4, 2, 4)
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ({"method": "medusa"}, "engine.speculation.method: Input should be 'off', 'ngram', 'early_exit' or 'draft'"),
+    ({"method": "draft"}, "engine.speculation: Value error, method draft needs draft_model"),
+    ({"method": "ngram", "ngram_min": 5}, "engine.speculation: Value error, ngram_min (5) is above ngram_max (4)"),
+    ({"max_draft_tokens": 0}, "engine.speculation.max_draft_tokens: Input should be greater than or equal to 1"),
+    ({"max_draft_tokens": 17}, "engine.speculation.max_draft_tokens: Input should be less than or equal to 16"),
+    ({"exit_layer": 0}, "engine.speculation.exit_layer: Input should be greater than or equal to 1"),
+    ({"policy": "never"}, "engine.speculation.policy: Input should be 'auto' or 'always'"),
+    ({"k": 4}, "engine.speculation.k: Extra inputs are not permitted"),
+])
+def test_a_bad_block_is_refused_with_the_field_named(block: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config({"engine": {"speculation": block}})
+    assert message in str(e.value)
+
+
+def test_each_tenants_setting_becomes_the_routers() -> None:
+    section = SchedulerSection.model_validate(
+        {"tenants": {"quiet": {"speculation": "off"}, "chat": {}}})
+    router = RouterConfig(**section.speculation_policy())  # type: ignore[arg-type]
+    assert [router.speculates(t) for t in ("quiet", "chat", "someone")] == [False, True, True]
+    off = SchedulerSection.model_validate(
+        {"default_tenant": {"speculation": "off"},
+         "tenants": {"fast": {"speculation": "auto"}, "quiet": {"speculation": "off"}}})
+    router = RouterConfig(**off.speculation_policy())  # type: ignore[arg-type]
+    assert [router.speculates(t) for t in ("fast", "quiet", "someone")] == [True, False, False]
+    assert SchedulerSection.model_validate({"default_tenant": None}).speculation_policy()["speculation"] is True
+    with pytest.raises(ValidationError, match="speculation"):
+        SchedulerSection.model_validate({"tenants": {"a": {"speculation": "on"}}})
