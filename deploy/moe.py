@@ -66,6 +66,10 @@ class RoutingHealth:
     def __getattr__(self, name: str) -> Any:  # model_name, tokenizer, generate, timeline, ...
         return getattr(self.inner, name)
 
+    async def expert_reports(self) -> dict[str, ExpertLoadReport]:
+        """Each worker's latest expert loads (the dashboard's `ExpertSource`)."""
+        return await self.admin.reports(self.model)
+
     async def health(self) -> dict[str, Any]:
         report = await self.inner.health()
         try:

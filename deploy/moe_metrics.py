@@ -3,8 +3,7 @@
 Mental model: the routing controller holds each worker's latest report (cumulative tokens per layer
 and expert, the table version it routes with, its layers in safe mode); the ingress reads them every
 period (deploy/moe.py) and hands them here. Tokens become a counter per (worker, layer, expert) by
-adding increases (deploy/dashboard/window.py's rule: a count that went backwards is a restarted
-worker); share and imbalance (max/mean) are gauges over the tokens routed since the previous
+adding increases (`ExpertLoadReport.since`: a count that went backwards is a restarted worker); share and imbalance (max/mean) are gauges over the tokens routed since the previous
 export, so they show the load now, not since start. Exported as `ray_<name>` like deploy/metrics.py.
 """
 
@@ -14,7 +13,6 @@ from collections.abc import Mapping
 
 from actors.engine.moe.routing import imbalance
 from actors.engine.moe.telemetry import ExpertLoadReport
-from deploy.dashboard.window import counter_increase
 from deploy.metrics import MetricSpec, _inc, _instruments
 
 MOE_METRICS = {name: MetricSpec(kind, text, tags) for name, kind, text, tags in (
@@ -37,18 +35,14 @@ def moe_exported_names() -> set[str]:
 class ExpertLoadExporter:
     def __init__(self) -> None:
         self._m = _instruments(MOE_METRICS)
-        self._last: dict[str, tuple[tuple[int, ...], ...]] = {}  # worker -> tokens at the previous export
+        self._last: dict[str, ExpertLoadReport] = {}  # worker -> its report at the previous export
 
     def export(self, reports: Mapping[str, ExpertLoadReport]) -> dict[str, list[list[int]]]:
         """Records every worker's report; returns the tokens each routed since the previous export."""
         m, recent = self._m, {}
         for worker, r in reports.items():
-            prev = self._last.get(worker)
-            rows = []
-            for layer, row in enumerate(r.tokens):
-                before = prev[layer] if prev is not None and len(prev) == len(r.tokens) else (None,) * len(row)
-                increases = [int(counter_increase(b, n)) for b, n in zip(before, row)]
-                rows.append(increases)
+            rows = r.since(self._last.get(worker))
+            for layer, increases in enumerate(rows):
                 total = sum(increases)
                 for expert, n in enumerate(increases):
                     tags = {"worker": worker, "layer": str(layer), "expert": str(expert)}
@@ -59,6 +53,6 @@ class ExpertLoadExporter:
                     m["ferry_moe_imbalance"].set(imbalance(increases), {"worker": worker, "layer": str(layer)})
             m["ferry_moe_table_version"].set(r.table_version, {"worker": worker})
             m["ferry_moe_safe_mode_layers"].set(len(r.safe_mode_layers), {"worker": worker})
-            self._last[worker] = r.tokens
+            self._last[worker] = r
             recent[worker] = rows
         return recent

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from deploy.dashboard.experts import ExpertFigures
 from deploy.dashboard.records import StageSpan
 
 
@@ -101,6 +102,7 @@ class DashboardData:
     refusals: dict[str, int]  # by reason, since the ingress started
     recent: list[RequestBar]  # newest first
     notes: list[str] = field(default_factory=list)  # what could not be read this time, and why
+    experts: list[ExpertFigures] = field(default_factory=list)  # MoE models: per worker (deploy/dashboard/experts.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

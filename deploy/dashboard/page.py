@@ -63,6 +63,10 @@ svg text { fill:var(--muted); font-size:11px; font-family:system-ui, sans-serif;
 <section class="wide tbl"><h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>kind</th><th>running</th><th>waiting</th><th>reserved</th>
 <th>KV blocks used</th><th>KV use</th><th>KV by tenant</th><th>offloaded</th><th>last step</th><th>memory</th></tr></thead><tbody></tbody></table></section>
+<section class="wide tbl" id="experts-panel" hidden><h2>Experts: MoE routing load since the last poll</h2>
+<table id="experts"><thead><tr><th>worker</th><th>table</th><th>tokens routed</th>
+<th title="worst layer: max over mean tokens per expert (1.0 is even)">imbalance</th><th title="one group of bars per MoE layer, one bar per expert">share per expert, by layer</th>
+<th>safe mode</th></tr></thead><tbody></tbody></table></section>
 <section class="tbl"><h2>Prefix cache hit rate by tier</h2>
 <table id="tiers"><thead><tr><th>tier</th><th>hits</th><th>lookups</th><th>hit rate</th><th></th></tr></thead>
 <tbody></tbody></table></section>
@@ -148,6 +152,33 @@ function renderWorkers(workers) {
   }));
 }
 
+function shareBars(shares) {
+  const svg = el("svg:svg", {width: 4 * shares.length + 2, height: 16, "class": "shares"});
+  const top = Math.max(1e-9, ...shares);
+  shares.forEach((v, e) => {
+    const r = el("svg:rect", {x: 1 + 4 * e, y: 16 - 15 * v / top, width: 3, height: 15 * v / top, fill: "#58a6ff"});
+    r.appendChild(el("svg:title", {}, "expert " + e + ": " + fmtPct(v)));
+    svg.appendChild(r);
+  });
+  return svg;
+}
+
+function renderExperts(experts) {
+  document.getElementById("experts-panel").hidden = !experts || experts.length === 0;
+  fillBody("experts", (experts || []).map(x => {
+    const tr = el("tr", {"data-worker": x.worker});
+    cell(tr, "worker", x.worker);
+    cell(tr, "table_version", "v" + x.table_version);
+    cell(tr, "num_tokens", String(x.num_tokens));
+    cell(tr, "imbalance", x.imbalance.toFixed(2), x.imbalance > 2 ? "bad" : "");
+    const bars = cell(tr, "shares", "");
+    x.shares.forEach(layer => bars.appendChild(shareBars(layer)));
+    cell(tr, "safe_mode_layers", x.safe_mode_layers.length ? x.safe_mode_layers.join(", ") : "-",
+         x.safe_mode_layers.length ? "bad" : "muted");
+    return tr;
+  }));
+}
+
 function renderTiers(tiers, refusals) {
   fillBody("tiers", tiers.map(t => {
     const tr = el("tr", {"data-tier": t.tier});
@@ -222,6 +253,7 @@ function render(d) {
   renderTenants(d.tenants);
   renderWorkers(d.workers);
   renderTiers(d.tiers, d.refusals);
+  renderExperts(d.experts);
   renderTimeline(d.recent);
   document.getElementById("notes").replaceChildren(...d.notes.map(n => el("li", {}, n)));
   document.getElementById("notes-panel").hidden = d.notes.length === 0;

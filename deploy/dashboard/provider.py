@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from actors.colocated import process_rss_bytes
 from actors.engine.output import EngineStats
 from actors.messages import WorkerKind, WorkerLoad
+from deploy.dashboard.experts import ExpertSource, ExpertWindow
 from deploy.dashboard.model import (DashboardData, RequestBar, SloTargets, TenantFigures, Throughput,
                                     TierFigures, WorkerFigures)
 from deploy.dashboard.records import RequestRecord, record_from_timeline
@@ -146,6 +147,7 @@ class DashboardSources:
     prefix: PrefixSource | None = None
     slos: SloSource | None = None
     refusals: RefusalSource | None = None
+    experts: ExpertSource | None = None
 
 
 def tokens_in_window(r: RequestRecord, now: float, span_s: float) -> int:
@@ -192,6 +194,7 @@ class TimelineDashboard:
         self.clock = clock
         self.started_at = clock()
         self._counters: dict[str, CounterWindow] = defaultdict(lambda: CounterWindow(window_s, self.started_at))
+        self._experts = ExpertWindow()
 
     def _window(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord], float]:
         """The recent records, those of them completed inside the window, and the window's span."""
@@ -233,12 +236,14 @@ class TimelineDashboard:
             tiers[tier] = self._counters[tier].increase(now)
         unit = {tier: ("blocks" if tier in ("dram", "disk") else "tokens") for tier in tiers}
         refusals = dict(self.sources.refusals.refusals()) if self.sources.refusals is not None else {}
+        experts = await self._read("expert loads", self.sources.experts, "expert_reports", notes) or {}
         return DashboardData(
             generated_at_unix_s=now, window_s=self.window_s, throughput=throughput,
             tenants=self._tenants(records, done, loads.values()), workers=[_worker(w) for w in sorted(
                 loads.values(), key=lambda w: (w.kind, w.name))],
             tiers=[TierFigures(t, unit[t], c.hits, c.lookups, hit_rate(c)) for t, c in sorted(tiers.items())],
             refusals=refusals, recent=[_bar(r) for r in records[: self.num_recent]], notes=notes,
+            experts=self._experts.figures(experts),
         )
 
     async def _read(self, what: str, source: object | None, method: str, notes: list[str]) -> Any:
@@ -292,11 +297,13 @@ def _bar(r: RequestRecord) -> RequestBar:
 def dashboard_for(backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None,
                   refusals: RefusalSource | None = None, window_s: float = 60.0) -> TimelineDashboard:
     """The provider for an HTTP backend: its timelines, plus its engine's stats (EngineBackend) or
-    its `Router`'s worker loads (ClusterBackend)."""
+    its `Router`'s worker loads (ClusterBackend), and the MoE expert loads of a backend that has them
+    (`expert_reports`: deploy/moe.py's RoutingHealth)."""
     engine = getattr(backend, "async_engine", None)
     client = getattr(backend, "client", None)
     loads: LoadSource | None = EngineSource(engine) if engine is not None else client
     prefix = loads if isinstance(loads, EngineSource) else None
     slo_source = StaticSlos(slos) if isinstance(slos, Mapping) else slos
-    return TimelineDashboard(DashboardSources(BackendTimelines(backend), loads, prefix, slo_source, refusals),
+    experts = backend if callable(getattr(backend, "expert_reports", None)) else None
+    return TimelineDashboard(DashboardSources(BackendTimelines(backend), loads, prefix, slo_source, refusals, experts),
                              window_s=window_s)

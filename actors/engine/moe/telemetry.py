@@ -76,6 +76,14 @@ class ExpertLoadReport:
     num_tables_rejected: int = 0
     num_budgeted_requests: int = 0  # requests whose decode tokens are restricted to a few experts now
 
+    def since(self, prev: "ExpertLoadReport | None") -> list[list[int]]:
+        """Tokens routed since `prev` per layer and expert (all of them when `prev` is None, of another
+        shape, or ahead of this one: the worker restarted)."""
+        if prev is None or len(prev.tokens) != len(self.tokens) or any(
+                b > n for pr, row in zip(prev.tokens, self.tokens) for b, n in zip(pr, row)):
+            return [list(row) for row in self.tokens]
+        return [[n - b for b, n in zip(pr, row)] for pr, row in zip(prev.tokens, self.tokens)]
+
     def shares(self, layer: int) -> list[float]:
         row = self.tokens[layer]
         total = sum(row)
