@@ -63,6 +63,8 @@ class WorkerFigures:
     rss_mib: int | None = None  # the worker process's resident memory
     kv_blocks_by_tenant: dict[str, int] = field(default_factory=dict)  # the engine's blocks charged to each
     offloaded_mib: float = 0.0  # host memory holding preempted batch requests' KV
+    spec_method: str = "off"  # speculative decoding's proposer (decode and colocated workers)
+    spec_acceptance: float | None = None  # accepted over proposed draft tokens since it started; None: none yet
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,9 @@ svg text { fill:var(--muted); font-size:11px; font-family:system-ui, sans-serif;
 </section>
 <section class="wide tbl"><h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>kind</th><th>running</th><th>waiting</th><th>reserved</th>
-<th>KV blocks used</th><th>KV use</th><th>KV by tenant</th><th>offloaded</th><th>last step</th><th>memory</th></tr></thead><tbody></tbody></table></section>
+<th>KV blocks used</th><th>KV use</th><th>KV by tenant</th><th>offloaded</th><th>last step</th><th>memory</th>
+<th title="speculative decoding: the method, and accepted over proposed draft tokens since the worker started">draft acceptance</th>
+</tr></thead><tbody></tbody></table></section>
 <section class="wide tbl" id="experts-panel" hidden><h2>Experts: MoE routing load since the last poll</h2>
 <table id="experts"><thead><tr><th>worker</th><th>table</th><th>tokens routed</th>
 <th title="worst layer: max over mean tokens per expert (1.0 is even)">imbalance</th><th title="one group of bars per MoE layer, one bar per expert">share per expert, by layer</th>
@@ -148,6 +150,8 @@ function renderWorkers(workers) {
     cell(tr, "offloaded_mib", w.offloaded_mib ? w.offloaded_mib + " MiB" : "-");
     cell(tr, "last_step_ms", fmtMs(w.last_step_ms));
     cell(tr, "rss_mib", w.rss_mib == null ? "-" : w.rss_mib + " MiB");
+    const decodes = w.kind !== "prefill" && w.spec_method && w.spec_method !== "off";
+    cell(tr, "spec_acceptance", decodes ? w.spec_method + " " + fmtPct(w.spec_acceptance) : "-", decodes ? "" : "muted");
     return tr;
   }));
 }

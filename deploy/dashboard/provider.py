@@ -118,7 +118,9 @@ def load_of_engine(name: str, stats: EngineStats, *, healthy: bool, kind: Worker
     """The load of an engine running in this process (its memory is this process's)."""
     return WorkerLoad(name, kind, stats.num_running, stats.num_waiting, 0, stats.num_blocks_free,
                       stats.num_blocks_total, stats.last_step_s, healthy, process_rss_bytes(),
-                      kv_blocks_by_tenant=stats.kv_blocks_by_tenant, offloaded_bytes=stats.offloaded_bytes)
+                      kv_blocks_by_tenant=stats.kv_blocks_by_tenant, offloaded_bytes=stats.offloaded_bytes,
+                      spec_method=stats.spec_method, num_draft_tokens=stats.num_draft_tokens,
+                      num_accepted_tokens=stats.num_accepted_tokens, num_spec_steps=stats.num_spec_steps)
 
 
 class EngineSource:
@@ -286,7 +288,8 @@ class TimelineDashboard:
 def _worker(w: WorkerLoad) -> WorkerFigures:
     return WorkerFigures(w.name, w.kind, w.healthy, w.num_running, w.num_waiting, w.num_reserved,
                          w.num_total_blocks - w.num_free_blocks, w.num_total_blocks, w.last_step_s * 1e3,
-                         w.rss_mib, dict(w.kv_blocks_by_tenant), round(w.offloaded_bytes / 2**20, 1))
+                         w.rss_mib, dict(w.kv_blocks_by_tenant), round(w.offloaded_bytes / 2**20, 1),
+                         w.spec_method, w.spec_acceptance)
 
 
 def _bar(r: RequestRecord) -> RequestBar:

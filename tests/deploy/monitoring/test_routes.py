@@ -35,7 +35,7 @@ def test_data_reports_the_requests_that_ran(traffic: Served) -> None:
         "name": "engine-0", "kind": "colocated", "healthy": True, "num_running": 0, "num_waiting": 0,
         "num_reserved": 0, "kv_blocks_used": stats.num_blocks_used, "kv_blocks_total": NUM_BLOCKS,
         "last_step_ms": stats.last_step_s * 1e3, "kv_blocks_by_tenant": dict(stats.kv_blocks_by_tenant),
-        "offloaded_mib": 0.0}]
+        "offloaded_mib": 0.0, "spec_method": "off", "spec_acceptance": None}]
     # Their cached prompts stay charged to the tenants that computed them.
     assert {t: n > 0 for t, n in stats.kv_blocks_by_tenant if t} == {"tenant-a": True, "tenant-b": True}
     assert {t["tenant"]: t["kv_blocks"] for t in data["tenants"]} == {
