@@ -151,12 +151,12 @@ class PrefillResult:
     kv_codec_predictions: tuple[tuple[str, float], ...] = ()
 
 
-def spec_report(method: str, num_draft_tokens: int, num_accepted_tokens: int, num_spec_steps: int) -> dict[str, object]:
+def spec_report(method: str, num_draft_tokens: int, num_accepted_tokens: int, num_spec_rounds: int) -> dict[str, object]:
     """An engine's speculative decoding as JSON-able figures (`/health`): its method, cumulative
     draft tokens proposed and accepted, steps that verified drafts, and the acceptance rate."""
     rate = round(num_accepted_tokens / num_draft_tokens, 4) if num_draft_tokens else None
     return {"method": method, "draft_tokens": num_draft_tokens, "accepted_tokens": num_accepted_tokens,
-            "spec_steps": num_spec_steps, "acceptance_rate": rate}
+            "spec_rounds": num_spec_rounds, "acceptance_rate": rate}
 
 
 def mib_or_none(num_bytes: int) -> int | None:
@@ -188,7 +188,7 @@ class WorkerLoad:
     spec_method: str = "off"
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_spec_steps: int = 0
+    num_spec_rounds: int = 0
 
     @property
     def rss_mib(self) -> int | None:
@@ -209,7 +209,7 @@ class WorkerLoad:
 
     def spec_report(self) -> dict[str, object]:
         """Speculation as JSON-able figures, for `/health`."""
-        return spec_report(self.spec_method, self.num_draft_tokens, self.num_accepted_tokens, self.num_spec_steps)
+        return spec_report(self.spec_method, self.num_draft_tokens, self.num_accepted_tokens, self.num_spec_rounds)
 
 
 @dataclass(frozen=True)

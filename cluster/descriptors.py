@@ -127,7 +127,7 @@ class WorkerReport:
     cached_full: frozenset[int] | None = None
     # Speculative decoding, cumulative since the worker's engine started: the engine's steps that
     # verified drafts, and the draft tokens accepted in them (each an output token without a step).
-    num_spec_steps: int = 0
+    num_spec_rounds: int = 0
     num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -69,7 +69,7 @@ class WorkerView:
         self.reported_waiting = load.num_waiting
         self.blocks_since_report = 0
         self.observe_steps(load.steps)
-        self.observe_speculation(load.num_spec_steps, load.num_accepted_tokens)
+        self.observe_speculation(load.num_spec_rounds, load.num_accepted_tokens)
 
     def observe_steps(self, steps: tuple[StepSample, ...]) -> None:
         """Measured steps: the mean context per decode row (what a new row's step will read)."""

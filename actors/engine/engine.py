@@ -331,6 +331,7 @@ class Engine(KVExchange):
             kv_blocks_by_tenant=tuple(sorted(self.kv.pool.usage().items())),
             spec_method=self.cfg.speculation.method,
             num_spec_steps=self.spec.num_spec_steps,
+            num_spec_rounds=self.spec.num_spec_rounds,
             num_draft_tokens=self.spec.num_draft_tokens,
             num_accepted_tokens=self.spec.num_accepted_tokens,
             num_steps=self._num_steps,

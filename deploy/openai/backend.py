@@ -166,7 +166,7 @@ class EngineBackend:
             "rss_mib": mib_or_none(process_rss_bytes()),  # this process: the engine runs in it
             "kv_plan": engine.engine.kv_plan.to_dict(),  # how the KV pool was sized (fixed at start)
             "speculation": spec_report(stats.spec_method, stats.num_draft_tokens, stats.num_accepted_tokens,
-                                       stats.num_spec_steps),
+                                       stats.num_spec_rounds),
         }
 
     def timeline(self, request_id: str) -> dict[str, Any] | None:

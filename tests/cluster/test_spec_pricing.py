@@ -16,7 +16,7 @@ from tests.cluster.helpers import R, T, W, desc, load, make
 
 
 def _report(rounds: int, accepted: int, name: str = "d0"):  # type: ignore[no-untyped-def]
-    return replace(load(name, WorkerKind.DECODE), num_spec_steps=rounds, num_accepted_tokens=accepted)
+    return replace(load(name, WorkerKind.DECODE), num_spec_rounds=rounds, num_accepted_tokens=accepted)
 
 
 def test_tokens_per_step_follows_the_rounds_since_the_last_report() -> None:

@@ -79,7 +79,7 @@ def test_opt_outs_timeline_health_dashboard_and_metrics(tmp_path: Path, rec: Rec
         shown = health["workers"][decode.name]["speculation"]
         assert (shown["method"], shown["draft_tokens"], shown["accepted_tokens"]) == (
             "early_exit", drafted["draft_tokens"], drafted["accepted_tokens"])
-        assert shown["spec_steps"] > 0 and health["workers"][prefill.name]["speculation"]["draft_tokens"] == 0
+        assert shown["spec_rounds"] > 0 and health["workers"][prefill.name]["speculation"]["draft_tokens"] == 0
         rows = {w.name: w for w in (await dashboard_for(backend).dashboard_data()).workers}
         assert rows[decode.name].spec_method == "early_exit"
         assert rows[decode.name].spec_acceptance == pytest.approx(drafted["accepted_tokens"] / drafted["draft_tokens"])

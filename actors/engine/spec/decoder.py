@@ -20,7 +20,7 @@ from actors.engine.request import Request
 from actors.engine.sampling import Sampler, TokenLogprobs, token_logprobs
 from actors.engine.scheduler import ScheduledBatch
 from actors.engine.spec.config import SpecConfig
-from actors.engine.spec.policy import Acceptance, Candidate, StepTimeModel, choose_k, urgency
+from actors.engine.spec.policy import Acceptance, Candidate, TokenTimeModel, choose_k, urgency
 from actors.engine.spec.proposers import DraftRow, ModelDrafter, NgramProposer
 from actors.engine.spec.verify import num_matching, shadow_states, speculative_sample, target_probs
 
@@ -45,11 +45,12 @@ class SpecDecoder:
             assert draft_model is not None, "method 'draft' needs the draft model"
             self.drafter = ModelDrafter.separate(draft_model, runner, kv.pool.num_blocks)
             self.draft_share = draft_model.cfg.num_layers / (num_layers + draft_model.cfg.num_layers)
-        self.step_model = StepTimeModel()
+        self.step_model = TokenTimeModel()
         self.acceptance = Acceptance()  # engine-wide: the prior of a request's own estimate
         self._requests: dict[str, Acceptance] = {}
         self._tpot: dict[str, tuple[float, float | None]] = {}  # request -> (last token time, TPOT EMA)
         self.num_spec_steps = 0
+        self.num_spec_rounds = 0  # rows verified, one per speculating row and step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._draft_s = 0.0
@@ -166,6 +167,7 @@ class SpecDecoder:
                 self._record(r, len(tokens) - 1)
             out.append((list(tokens), list(lps)))
         self.num_spec_steps += bool(rows)
+        self.num_spec_rounds += len(rows)
         return out
 
     def _rejection_sample(self, logits: torch.Tensor, req: Request, r: DraftRow,

@@ -1,7 +1,7 @@
 """When speculation pays, and how many drafts each row gets.
 
 Mental model: a step's time is close to linear in the tokens it forwards, t(T) = c0 + c1 T
-(`StepTimeModel`, fitted online from this engine's own steps): c0 is streaming the weights, c1 the
+(`TokenTimeModel`, fitted online from this engine's own steps): c0 is streaming the weights, c1 the
 compute per token. A row that verifies k drafts adds k tokens to T and, with per-draft acceptance
 a, emits 1 + a + a^2 + ... + a^k tokens instead of 1. Each row's tokens are weighted by how short
 its TPOT slack is (`urgency`: a row running at its target counts 2x a row at half of it; rows
@@ -21,7 +21,7 @@ import numpy as np
 MIN_GAIN = 1.03  # a draft must raise the step's weighted tokens/s by 3%: noise in t(T) must not decide
 
 
-class StepTimeModel:
+class TokenTimeModel:
     """Ridge fit of step seconds on forwarded tokens, with forgetting, around a prior that does not
     fade (so a direction the engine rarely sees, big T, stays at the prior instead of drifting)."""
 
@@ -78,7 +78,7 @@ def urgency(tpot_ema_s: float | None, tpot_target_s: float | None) -> float:
     return min(2.0, max(0.25, 2.0 * tpot_ema_s / tpot_target_s))
 
 
-def choose_k(cands: list[Candidate], model: StepTimeModel, base_tokens: int, base_value: float,
+def choose_k(cands: list[Candidate], model: TokenTimeModel, base_tokens: int, base_value: float,
              draft_pass_s: float = 0.0) -> list[int]:
     """k per candidate row. `base_tokens`: the tokens the step forwards without speculation;
     `base_value`: its weighted tokens (every due row's urgency, candidates' included);
@@ -101,7 +101,7 @@ def choose_k(cands: list[Candidate], model: StepTimeModel, base_tokens: int, bas
         rate = best_rate
 
 
-def _choose_depth(cands: list[Candidate], model: StepTimeModel, base_tokens: int, base_value: float,
+def _choose_depth(cands: list[Candidate], model: TokenTimeModel, base_tokens: int, base_value: float,
                   draft_pass_s: float) -> list[int]:
     """With a drafting model every pass costs the same whatever rows it drafts for, so the choice is
     a depth d (passes) and the rows that join (each with k = min(d, its max)): for each d the rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.engine.spec.policy import Acceptance, Candidate, StepTimeModel, choose_k, urgency
+from actors.engine.spec.policy import Acceptance, Candidate, TokenTimeModel, choose_k, urgency
 from actors.engine.spec.proposers import NgramProposer
 from actors.engine.spec.verify import num_matching, speculative_sample
 
@@ -53,9 +53,9 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 def test_policy_speculates_when_weight_bound_not_when_compute_bound():
     cands = [Candidate(acceptance=0.7, max_k=4, urgency=1.0)]
-    weight_bound = StepTimeModel(c0=0.02, c1=2e-5, strength=1e6)  # a token costs 1/1000 of a step
+    weight_bound = TokenTimeModel(c0=0.02, c1=2e-5, strength=1e6)  # a token costs 1/1000 of a step
     assert choose_k(cands, weight_bound, 1, 1.0) == [4]
-    compute_bound = StepTimeModel(c0=0.02, c1=4e-3, strength=1e6)  # 16 rows: a token costs 1/5 of a step
+    compute_bound = TokenTimeModel(c0=0.02, c1=4e-3, strength=1e6)  # 16 rows: a token costs 1/5 of a step
     assert choose_k(cands * 16, compute_bound, 16, 16.0) == [0] * 16
     poor = [Candidate(acceptance=0.02, max_k=4, urgency=1.0)]
     assert choose_k(poor, weight_bound, 1, 1.0) == [0]
@@ -65,14 +65,14 @@ def test_policy_speculates_when_weight_bound_not_when_compute_bound():
 
 
 def test_short_slack_speculates_first():
-    model = StepTimeModel(c0=0.02, c1=1e-3, strength=1e6)
+    model = TokenTimeModel(c0=0.02, c1=1e-3, strength=1e6)
     cands = [Candidate(0.6, 4, urgency(0.05, 0.2)), Candidate(0.6, 4, urgency(0.19, 0.2))]
     ks = choose_k(cands, model, 2, sum(c.urgency for c in cands))
     assert ks[1] > ks[0]
 
 
 def test_step_time_model_learns_and_acceptance_estimate():
-    m = StepTimeModel()
+    m = TokenTimeModel()
     for t in (1, 5, 1, 9, 2, 300, 1, 17):
         m.observe(t, 0.01 + 0.001 * t)
     assert abs(m.predict(100) - 0.11) < 0.01

@@ -56,14 +56,14 @@ def test_a_disaggregated_stream_speculates_unless_opted_out(tiny_model_dir: Path
             assert finals[0].num_draft_tokens > 0 and finals[2].num_draft_tokens > 0
             assert cluster.decode is not None
             load = await cluster.decode.load()
-            assert load.spec_method == "early_exit" and load.num_spec_steps > 0
+            assert load.spec_method == "early_exit" and load.num_spec_rounds > 0
             assert load.num_draft_tokens == sum(f.num_draft_tokens for f in finals)
             assert load.num_accepted_tokens == sum(f.num_accepted_tokens for f in finals)
             assert load.spec_acceptance == pytest.approx(load.num_accepted_tokens / load.num_draft_tokens)
             assert load.spec_report()["method"] == "early_exit"
             # The scheduler's report of the worker carries the counters its cost model prices with.
             report = worker_load(load, 0.0, 16)
-            assert (report.num_spec_steps, report.num_accepted_tokens) == (load.num_spec_steps,
+            assert (report.num_spec_rounds, report.num_accepted_tokens) == (load.num_spec_rounds,
                                                                            load.num_accepted_tokens)
             prefill = await cluster.prefills[0].load()
             assert prefill.spec_method == "early_exit" and prefill.num_draft_tokens == 0  # prefill-only: no drafts

@@ -89,7 +89,7 @@ def test_health(http: httpx.Client) -> None:
     assert body.pop("rss_mib") > 10  # the engine runs in the server's process
     plan = body.pop("kv_plan")  # how the engine's KV pool was sized
     assert (plan["source"], plan["device"], plan["num_blocks"]) == ("num_blocks", "cpu", NUM_BLOCKS)
-    assert body.pop("speculation") == {"method": "off", "draft_tokens": 0, "accepted_tokens": 0, "spec_steps": 0,
+    assert body.pop("speculation") == {"method": "off", "draft_tokens": 0, "accepted_tokens": 0, "spec_rounds": 0,
                                        "acceptance_rate": None}
     assert body == {"healthy": True, "model": "tiny", "engine_loop": "running", "num_running": 0,
                         "num_waiting": 0, "num_blocks_total": NUM_BLOCKS, "num_blocks_free": NUM_BLOCKS}
