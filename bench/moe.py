@@ -46,7 +46,8 @@ from actors.engine.moe.routing_table import RoutingTable  # noqa: E402
 from actors.engine.moe.sync import RoutingSync  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from bench.common import format_table, progress, report  # noqa: E402
-from bench.moe_model import next_token_argmax, random_prompts, skewed_moe_engine  # noqa: E402
+from bench.moe_model import (dtype_token_change, next_token_argmax, random_prompts, skewed_moe_engine,  # noqa: E402
+                             text_prompts)
 from cluster.moe.controller import ControllerConfig, RoutingController  # noqa: E402
 
 
@@ -69,12 +70,14 @@ def changed_share(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
 
 
 # --------------------------------------------------------------------------------- controller
-def controller_part(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def controller_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     engine, control = skewed_moe_engine(root, num_experts=8, top_k=2, strength=args.strength, seed=0)
-    held_out = random_prompts(args.num_requests, args.prompt_len, seed=7)
-    sequences = random_prompts(32, args.prompt_len + args.output_len, seed=99)
+    make = text_prompts if args.prompts == "text" else random_prompts
+    held_out = make(args.num_requests, args.prompt_len, seed=7)
+    sequences = make(32, args.prompt_len + args.output_len, seed=99)
     base_loads = served_loads(engine, control, held_out, args.output_len)
     ref = next_token_argmax(engine, control, sequences)
+    bf16_change = dtype_token_change(engine, control, sequences, ref, torch.bfloat16)
     rows = []
     for budget in args.quality_budgets:
         control.apply_table(RoutingTable.zeros(control.state.num_layers, control.state.num_experts,
@@ -85,7 +88,7 @@ def controller_part(root: Path, args: argparse.Namespace) -> list[dict[str, Any]
         actions: dict[str, int] = {}
         for r in range(args.rounds):
             sync.sync_once()  # takes the published table
-            engine.generate(random_prompts(args.num_requests, args.prompt_len, seed=1000 + r), greedy(args.output_len))
+            engine.generate(make(args.num_requests, args.prompt_len, seed=1000 + r), greedy(args.output_len))
             sync.sync_once()  # reports what was routed under it
             d = ctl.tick("moe")
             if d is not None:
@@ -100,7 +103,7 @@ def controller_part(root: Path, args: argparse.Namespace) -> list[dict[str, Any]
                      "max_abs_bias": float(control.state.active.tensor().abs().max()), "decisions": actions})
         progress(f"controller budget {budget}: imbalance {before_imb:.2f} -> {after_imb:.2f}, "
                  f"tokens changed {change:.3%}")
-    return rows
+    return {"rows": rows, "bf16_token_change": bf16_change, "positions": sum(map(len, ref))}
 
 
 # -------------------------------------------------------------------------------------- swap
@@ -168,33 +171,43 @@ def swap_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 def budget_part(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     kw = dict(num_experts=args.budget_experts, top_k=2, hidden=args.budget_hidden,
               intermediate=4 * args.budget_hidden, strength=args.strength, seed=2)
-    prompts = random_prompts(args.num_requests, args.prompt_len, seed=21)
-    rows = []
-    reference: list[list[int]] = []  # the unrestricted run's sequences: every budget is scored on them
-    ref_logits = torch.empty(0)
+    make = text_prompts if args.prompts == "text" else random_prompts
+    prompts = make(args.num_requests, args.prompt_len, seed=21)
+    built = {}  # budget -> (engine, control, distinct experts per layer and step); all alive, timed in turns
     for b in [None, *args.budgets]:
         engine, control = skewed_moe_engine(root, **kw, max_num_seqs=args.num_requests)
         control.budget.budgets = ExpertBudgets(default=b)
         distinct: list[int] = []
         add = control.loads.add
-        control.loads.add = lambda layer, top_e: (distinct.append(int(top_e.unique().numel())), add(layer, top_e))  # type: ignore[method-assign]
-        engine.take_step_records()
-        outs = engine.generate(prompts, greedy(args.output_len))
-        decode = [r for r in engine.take_step_records() if r.num_prefill_tokens == 0]
-        step_ms = 1e3 * statistics.median(r.step_s for r in decode)
-        per_step = distinct[-len(decode) * control.state.num_layers:]  # the last steps are decode-only
-        if not reference:
-            reference = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
+        control.loads.add = lambda layer, top_e, add=add, distinct=distinct: (  # type: ignore[method-assign]
+            distinct.append(int(top_e.unique().numel())), add(layer, top_e))
+        built[b] = (engine, control, distinct)
+    step_s: dict[int | None, list[float]] = {b: [] for b in built}
+    per_step: dict[int | None, list[int]] = {b: [] for b in built}
+    outputs: dict[int | None, list[Any]] = {}
+    for rep in range(args.repeats):  # in turns, so a busy moment of the host hits every budget alike
+        for b, (engine, control, distinct) in built.items():
+            engine.take_step_records()
+            del distinct[:]
+            outputs[b] = engine.generate(prompts, greedy(args.output_len))
+            decode = [r for r in engine.take_step_records() if r.num_prefill_tokens == 0]
+            step_s[b] += [r.step_s for r in decode]
+            per_step[b] += distinct[-len(decode) * control.state.num_layers:]  # the last steps: decode only
+        progress(f"budget timing round {rep + 1}/{args.repeats}")
+    reference = [p + list(o.token_ids) for p, o in zip(prompts, outputs[None])]  # every budget scored on these
+    rows: list[dict[str, Any]] = []
+    ref_logits = torch.empty(0)
+    for b, (engine, control, _) in built.items():
         logits = budgeted_logits(engine, control, reference, args.prompt_len, b)
         if b is None:
             ref_logits = logits
         p_ref, q = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
+        step_ms = 1e3 * statistics.median(step_s[b])
         rows.append({"budget": "all" if b is None else b, "decode_step_ms": step_ms,
                      "speedup": rows[0]["decode_step_ms"] / step_ms if rows else 1.0,
-                     "distinct_experts_per_layer": statistics.fmean(per_step),
+                     "distinct_experts_per_layer": statistics.fmean(per_step[b]),
                      "greedy_agreement": float((ref_logits.argmax(-1) == logits.argmax(-1)).double().mean()),
                      "kl_mean": float((p_ref.exp() * (p_ref - q)).sum(-1).mean())})
-        progress(f"budget {b}: decode step {step_ms:.2f} ms, {rows[-1]['distinct_experts_per_layer']:.1f} experts/layer")
     return rows
 
 
@@ -224,13 +237,16 @@ def budgeted_logits(engine: Any, control: MoEControl, sequences: list[list[int]]
 def render(f: dict[str, Any]) -> str:
     out = []
     if "controller" in f:
+        c = f["controller"]
         out.append(format_table(
             ["quality budget", "imbalance before", "after", "cut (ratio)", "cut (excess)", "tokens changed",
              "|bias| max", "table"],
             [[r["min_base_agreement"], r["imbalance_before"], r["imbalance_after"], r["cut_ratio"], r["cut_excess"],
               f"{100 * r['greedy_token_change']:.2f}%", r["max_abs_bias"], f"v{r['table_version']}"]
-             for r in f["controller"]],
+             for r in c["rows"]],
             title="controller: live expert-load imbalance (max/mean, worst layer) and greedy-token change"))
+        out.append(f"yardstick: the same model in bfloat16 instead of float32 changes "
+                   f"{100 * c['bf16_token_change']:.2f}% of the {c['positions']} teacher-forced greedy tokens")
     if "swap" in f:
         s = f["swap"]
         out.append(format_table(["requests", "all tokens", "replay identical", "steps", "swaps", "tables used",
@@ -247,7 +263,7 @@ def render(f: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="controller,swap,budget")
     p.add_argument("--strength", type=float, default=1.5, help="router skew (bench/moe_model.py)")
@@ -257,14 +273,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--step-size", type=float, default=0.5)
     p.add_argument("--min-tokens", type=int, default=256)
-    p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.95, 0.9, 0.8, 0.6])
+    p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.99, 0.95, 0.9, 0.8, 0.6])
     p.add_argument("--num-swaps", type=int, default=200)
     p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 4, 2])
     p.add_argument("--budget-experts", type=int, default=16)
-    p.add_argument("--budget-hidden", type=int, default=256)
+    p.add_argument("--budget-hidden", type=int, default=384)
+    p.add_argument("--repeats", type=int, default=3, help="budget part: timed runs of each budget, in turns")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompts", choices=["text", "random"], default="text",
+                   help="text: slices of real English text; random: uniformly random token ids")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
     figures: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
@@ -277,7 +296,8 @@ def main() -> None:
         if "budget" in parts:
             figures["budget"] = budget_part(root, args)
     report(figures, args.json, render)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -25,7 +25,7 @@ from actors.engine.engine import Engine
 from actors.engine.model_runner import ModelRunner, SeqChunk
 from actors.engine.moe.control import MoEControl, install_moe_control, moe_layers
 from actors.engine.sampling import SamplingParams
-from actors.engine.tiny_model import write_tiny_model
+from actors.engine.tiny_model import CORPUS, train_tokenizer, write_tiny_model
 
 
 def skewed_moe_engine(root: Path, *, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, hidden: int = 64,
@@ -45,8 +45,18 @@ def skewed_moe_engine(root: Path, *, num_experts: int = 8, top_k: int = 2, num_l
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 508) -> list[list[int]]:
+    """Uniformly random token ids: no two tokens of a prompt have anything in common."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def text_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Slices of real English text (the tiny models' tokenizer corpus) at random offsets: words recur
+    within a prompt as they do in real requests."""
+    ids = train_tokenizer(512).encode(CORPUS).ids
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - length, (n,), generator=g).tolist()
+    return [ids[s : s + length] for s in starts]
 
 
 @torch.inference_mode()
@@ -88,3 +98,23 @@ def next_token_argmax(engine: Engine, control: MoEControl, sequences: list[list[
         logits = runner.execute([SeqChunk(seq, 0, list(range(num_blocks)), True, num_logits=len(seq))])
         out.append(logits if with_logits else logits.argmax(-1))
     return out
+
+
+@torch.inference_mode()
+def dtype_token_change(engine: Engine, control: MoEControl, sequences: list[list[int]], ref: list[torch.Tensor],
+                       dtype: torch.dtype) -> float:
+    """The yardstick: the share of teacher-forced greedy tokens that change when the same model runs
+    in `dtype` instead (the model is restored to its own weights afterwards)."""
+    model = engine.runner.model
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    own = engine.runner.model_dtype
+    model.to(dtype)
+    engine.runner.model_dtype = dtype
+    try:
+        new = next_token_argmax(engine, control, sequences)
+    finally:
+        model.to(own)
+        model.load_state_dict(kept)
+        model.rope.reset_tables()
+        engine.runner.model_dtype = own
+    return 1 - sum(int((a == b).sum()) for a, b in zip(ref, new)) / sum(len(a) for a in ref)
