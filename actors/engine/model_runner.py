@@ -30,6 +30,14 @@ class SeqChunk:
     num_logits: int = 1
 
 
+def _attention_rows(c: SeqChunk) -> list[tuple[int, int]]:
+    """(first token, number of tokens) of each attention row of a chunk."""
+    n = len(c.token_ids)
+    if n > 1 and c.needs_logits and c.num_logits == n and c.start_pos > 0:
+        return [(j, 1) for j in range(n)]
+    return [(0, n)]
+
+
 class StepReplayer(Protocol):
     """A faster path for some steps; `DecodeGraphs` (actors/engine/cuda_graphs.py) replays
     captured CUDA graphs. `run(chunks)` is called only when `supports(chunks)`, and returns what
@@ -87,33 +95,41 @@ class ModelRunner:
         there is one. `num_layers`: only the first layers run (`CausalLM.forward`)."""
         if num_layers is None and self.graphs is not None and self.graphs.supports(chunks):
             return self.graphs.run(chunks)
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
-        num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
+        # Attention rows: a chunk is one row, except a verify chunk (every token due logits, after
+        # cached context), whose tokens attend as decode rows of their own (the batched decode
+        # kernels, not one small ragged prefill per row). Single-token rows go first.
+        rows = [(i, j, m) for i, c in enumerate(chunks) for j, m in _attention_rows(c)]
+        order = sorted(range(len(rows)), key=lambda r: rows[r][2] != 1)
+        num_decodes = sum(1 for _, _, m in rows if m == 1)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        logits_of: dict[int, range] = {}
+        first_token: dict[tuple[int, int], int] = {}  # (chunk, its token j) -> flat index, per row
         max_blocks = max(len(c.block_ids) for c in chunks)
-        table = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
-        for row, i in enumerate(order):
+        table = torch.zeros(len(rows), max_blocks, dtype=torch.int32)
+        for row, r in enumerate(order):
+            i, j, m = rows[r]
             c = chunks[i]
-            n = len(c.token_ids)
-            end = c.start_pos + n
+            start, end = c.start_pos + j, c.start_pos + j + m
             assert len(c.block_ids) * bs >= end, "chunk's blocks do not cover its tokens"
-            input_ids += c.token_ids
-            positions += range(c.start_pos, end)
-            slots += [c.block_ids[p // bs] * bs + p % bs for p in range(c.start_pos, end)]
-            qsl.append(qsl[-1] + n)
+            input_ids += c.token_ids[j : j + m]
+            positions += range(start, end)
+            slots += [c.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            first_token[(i, j)] = qsl[-1]
+            qsl.append(qsl[-1] + m)
             seq_lens.append(end)
             table[row, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
+        logits_rows: list[int] = []  # in the chunks' order, each chunk's trailing num_logits tokens
+        for i, c in enumerate(chunks):
             if c.needs_logits:
+                n = len(c.token_ids)
                 assert 1 <= c.num_logits <= n, (c.num_logits, n)
-                logits_of[i] = range(len(logits_rows), len(logits_rows) + c.num_logits)
-                logits_rows += range(qsl[-1] - c.num_logits, qsl[-1])
+                for t in range(n - c.num_logits, n):
+                    j = t if (i, t) in first_token else 0  # its own row, or inside the chunk's one row
+                    logits_rows.append(first_token[(i, j)] + t - j)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
@@ -133,11 +149,7 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
             num_layers,
         )
-        # back to the caller's order
-        wanted = [row for i in range(len(chunks)) if i in logits_of for row in logits_of[i]]
-        if wanted == list(range(len(wanted))):  # already in order (all decodes, or decodes first)
-            return logits
-        return logits[torch.tensor(wanted, dtype=torch.int64, device=dev)]
+        return logits
 
     # ----------------------------------------------------------------- KV export / import (transfer)
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
