@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ferry-kv-recovery", choices=["shadow", "recompute"], default=None,
                    help="every tenant's scheduler kv_recovery: shadow (KV copied to the prefix pool as it fills, "
                         "the app's default) or recompute (nothing copied)")
+    p.add_argument("--ferry-speculation", choices=["off", "ngram", "early_exit"], default=None,
+                   help="ferry's engine.speculation.method (default: the app's)")
     p.add_argument("--parallel", type=int, default=16, help="slots / max batch for every peer, and client concurrency")
     p.add_argument("--trace", default="azure", help="azure, mooncake, a .csv/.jsonl path, or 'none' (fixed lengths)")
     p.add_argument("--arrivals", choices=["trace", "poisson", "gamma"], default="trace")
@@ -232,7 +234,7 @@ def run_bench(a: argparse.Namespace) -> int:
                         slo_ttft_ms=slos["default"].ttft_ms, slo_tpot_ms=slos["default"].tpot_ms,
                         ferry_local_prefill=a.ferry_local_prefill, ferry_preempt_batch=a.ferry_preempt_batch,
                         ferry_torch_threads=a.ferry_torch_threads, ferry_workers_as=a.ferry_workers_as,
-                        ferry_kv_recovery=a.ferry_kv_recovery)
+                        ferry_kv_recovery=a.ferry_kv_recovery, ferry_speculation=a.ferry_speculation)
         for name in [s for s in a.systems.split(",") if s]:
             res = SystemResult(name)
             results.append(res)

@@ -61,6 +61,7 @@ class PeerSpec:
     ferry_torch_threads: int | None = None  # threads per engine; None: the app's split of the CPUs
     ferry_workers_as: str | None = None  # "deployments" or "actors"; None: the app's default
     ferry_kv_recovery: str | None = None  # "shadow" or "recompute" for every tenant; None: the app's default
+    ferry_speculation: str | None = None  # engine.speculation.method; None: the app's default
 
 
 def free_port() -> int:
@@ -95,6 +96,8 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
             cfg["engine"]["torch_threads"] = spec.ferry_torch_threads
         if spec.ferry_workers_as is not None:  # only when given: older snapshots (--ferry-src) do not know the key
             cfg["workers_as"] = spec.ferry_workers_as
+        if spec.ferry_speculation is not None:  # only when given: older snapshots do not know the key
+            cfg["engine"]["speculation"] = {"method": spec.ferry_speculation}
         if not spec.ferry_preempt_batch:  # only when off: older snapshots (--ferry-src) do not know the key
             cfg["scheduler"]["preempt_batch"] = False
         tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms),
