@@ -75,7 +75,7 @@ class SpecDecoder:
             max_k = self._max_k(req, c)
             drafts: list[int] = []
             if max_k and self.ngram is not None:
-                drafts = self.ngram.propose(req.token_ids, max_k)
+                drafts = self.ngram.propose(req.token_ids, max_k, req.request_id)
                 max_k = len(drafts)
             if max_k:
                 acc = self._requests.get(req.request_id) or Acceptance(weight=2.0)
@@ -214,5 +214,6 @@ class SpecDecoder:
             for d in (self._tpot, self._requests):
                 for rid in [rid for rid in d if rid not in live]:
                     del d[rid]
-            if self.drafter is not None:
-                self.drafter.forget(live)
+            for part in (self.drafter, self.ngram):
+                if part is not None:
+                    part.forget(live)

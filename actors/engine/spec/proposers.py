@@ -35,20 +35,48 @@ NGRAM_WINDOW = 8192  # tokens searched back from the end (code files, documents:
 class NgramProposer:
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self._arrays: dict[str, np.ndarray] = {}  # request -> its tokens, grown as they come (no list copy a step)
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to `k` drafts continuing `token_ids`, or none when no n-gram of the tail recurs."""
-        tokens = np.asarray(token_ids[-NGRAM_WINDOW:], dtype=np.int64)
+    def propose(self, token_ids: list[int], k: int, request_id: str | None = None) -> list[int]:
+        """Up to `k` drafts continuing `token_ids`, or none when no n-gram of the tail recurs: the
+        tokens after the latest earlier occurrence of the longest recurring tail (n-gram_max down
+        to ngram_min tokens). One vectorised compare finds where the last token recurs; only those
+        places are extended backwards."""
+        tokens = self._tokens(token_ids, request_id)[-NGRAM_WINDOW:]
         size = len(tokens)
-        for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
-            # Windows of n tokens starting at 0..size-n-1: every earlier occurrence of the tail's n
-            # tokens that has at least one token after it.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        ends = np.flatnonzero(tokens[: size - 1] == tokens[-1])  # earlier places of the last token
+        if ends.size == 0 or size <= self.ngram_min:
+            return []
+        matched = np.ones(ends.size, dtype=np.int64)  # how many tail tokens agree, backwards from each
+        alive = np.ones(ends.size, dtype=bool)
+        for d in range(1, min(self.ngram_max, size - 1)):
+            before = ends - d
+            ok = alive & (before >= 0)
+            ok[ok] = tokens[before[ok]] == tokens[size - 1 - d]
+            matched += ok
+            alive = ok
+            if not alive.any():
+                break
+        longest = int(matched.max())
+        if longest < self.ngram_min:
+            return []
+        start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
+        return tokens[start : start + k].tolist()
+
+    def _tokens(self, token_ids: list[int], request_id: str | None) -> np.ndarray:
+        if request_id is None:
+            return np.asarray(token_ids, dtype=np.int64)
+        arr = self._arrays.get(request_id)
+        if arr is None or len(arr) > len(token_ids):
+            arr = np.asarray(token_ids, dtype=np.int64)
+        elif len(arr) < len(token_ids):
+            arr = np.concatenate([arr, np.asarray(token_ids[len(arr):], dtype=np.int64)])
+        self._arrays[request_id] = arr
+        return arr
+
+    def forget(self, live: set[str]) -> None:
+        for rid in [rid for rid in self._arrays if rid not in live]:
+            del self._arrays[rid]
 
 
 @dataclass

@@ -19,6 +19,26 @@ def test_ngram_takes_the_latest_longest_match():
     assert p.propose([4, 5, 6, 4, 5], 10) == [6, 4, 5]  # what follows, up to the end
 
 
+def _naive(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest first, with a token after it
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_matches_a_naive_search_and_grows_with_the_request():
+    g = torch.Generator().manual_seed(1)
+    p = NgramProposer(2, 4)
+    tokens: list[int] = []
+    for step in range(400):
+        tokens.append(int(torch.randint(0, 6, (1,), generator=g)))
+        assert p.propose(tokens, 3, "r") == _naive(tokens, 3, 2, 4), step
+    p.forget(set())
+    assert p.propose(tokens[:50], 3, "r") == _naive(tokens[:50], 3, 2, 4)
+
+
 def test_num_matching():
     assert num_matching([1, 2, 3], [1, 2, 9, 4]) == 2
     assert num_matching([1, 2, 3], [1, 2, 3, 4]) == 3
