@@ -112,10 +112,12 @@ def test_tables_swapped_from_another_thread_mid_forward_apply_whole_steps(tiny_m
     def swapper() -> None:
         rng = random.Random(0)
         for t in ts:
-            if stop.is_set():
-                return
+            seen = len(versions)
+            while len(versions) == seen:  # once a new step has begun...
+                if stop.wait(0.0005):
+                    return
+            time.sleep(rng.uniform(0, 0.004))  # ...swap somewhere inside its forward (or just after it)
             control.apply_table(t)
-            time.sleep(rng.uniform(0, 0.004))
 
     thread = threading.Thread(target=swapper)
     thread.start()
