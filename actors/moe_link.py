@@ -17,7 +17,7 @@ import torch
 
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.moe.control import MoEControl, install_moe_control
-from actors.engine.moe.routing_table import RoutingTable
+from actors.engine.moe.routing_table import RoutingTable, RoutingUpdate
 from actors.engine.moe.sync import RoutingSync
 from actors.engine.moe.telemetry import ExpertLoadReport
 
@@ -39,7 +39,7 @@ class RayRoutingHub:
         self.name, self.timeout_s = name, timeout_s
 
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
-             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingTable:
+             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingUpdate:
         actor = ray.get_actor(self.name)
         return ray.get(actor.sync.remote(model, worker, report, top_k, sample, active), timeout=self.timeout_s)
 

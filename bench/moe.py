@@ -226,7 +226,8 @@ def budgeted_logits(engine: Any, control: MoEControl, sequences: list[list[int]]
         prompt = SeqChunk(seq[:prompt_len], 0, list(range(n_blocks)), True)
         control.begin_step([req], [prompt])
         runner.execute([prompt])
-        rest = SeqChunk(seq[prompt_len:-1], prompt_len, list(range(n_blocks)), True, num_logits=len(seq) - prompt_len - 1)
+        rest = SeqChunk(seq[prompt_len:-1], prompt_len, list(range(n_blocks)), True,
+                        num_logits=len(seq) - prompt_len - 1)
         control.begin_step([req], [rest])
         out.append(runner.execute([rest]))
     control.budget.retain(set())
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--step-size", type=float, default=0.5)
     p.add_argument("--min-tokens", type=int, default=256)
-    p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.99, 0.95, 0.9, 0.8, 0.6])
+    p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")],
+                   default=[0.99, 0.95, 0.9, 0.8, 0.6])
     p.add_argument("--num-swaps", type=int, default=200)
     p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 4, 2])
     p.add_argument("--budget-experts", type=int, default=16)

@@ -104,8 +104,8 @@ class FerryIngress:
         self.tokenizer = Tokenizer.load(path)
         self._routing: RayRoutingAdmin | None = None  # MoE models: the routing controller, up before the workers
         if _read_config(path).is_moe:
-            self._routing = RayRoutingAdmin(_fresh_actor(ROUTING_ACTOR, lambda: start_routing_control(name=ROUTING_ACTOR),
-                                                         lambda old: ray.kill(old, no_restart=True)))
+            self._routing = RayRoutingAdmin(_fresh_actor(
+                ROUTING_ACTOR, lambda: start_routing_control(name=ROUTING_ACTOR), lambda old: ray.kill(old, no_restart=True)))
         resources = cfg.worker_resources(cluster_gpus())
         worker_cfg = cfg.to_worker_config(resources, **self.scheduler_cfg.worker_policies())  # type: ignore[arg-type]
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)

@@ -48,6 +48,9 @@ class RayRoutingAdmin:
     async def rollback(self, model: str) -> dict[str, Any]:
         return await self._call("rollback", model)
 
+    async def set_budgets(self, model: str, default: int | None, tenants: dict[str, int]) -> dict[str, Any]:
+        return await self._call("set_budgets", model, default, tenants)
+
     async def reports(self, model: str) -> dict[str, ExpertLoadReport]:
         return await self._call("reports", model)
 

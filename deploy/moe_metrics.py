@@ -3,8 +3,9 @@
 Mental model: the routing controller holds each worker's latest report (cumulative tokens per layer
 and expert, the table version it routes with, its layers in safe mode); the ingress reads them every
 period (deploy/moe.py) and hands them here. Tokens become a counter per (worker, layer, expert) by
-adding increases (`ExpertLoadReport.since`: a count that went backwards is a restarted worker); share and imbalance (max/mean) are gauges over the tokens routed since the previous
-export, so they show the load now, not since start. Exported as `ray_<name>` like deploy/metrics.py.
+adding increases (`ExpertLoadReport.since`: a count that went backwards is a restarted worker);
+share and imbalance (max/mean) are gauges over the tokens routed since the previous export, so they
+show the load now, not since start. Exported as `ray_<name>` like deploy/metrics.py.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.engine.moe.budget import ExpertBudgets
 from actors.engine.moe.routing import imbalance
-from actors.engine.moe.routing_table import MAX_ABS_BIAS, RoutingTable, TableRejected, validate
+from actors.engine.moe.routing_table import MAX_ABS_BIAS, RoutingTable, RoutingUpdate, TableRejected, validate
 from actors.engine.moe.shadow import ShadowCheck, check_candidate
 from actors.engine.moe.telemetry import ExpertLoadReport
 
@@ -54,7 +55,7 @@ class ControllerConfig:
 @dataclass(frozen=True)
 class Decision:
     model: str
-    action: str  # published | refused | rolled_back | set_by_admin | balanced
+    action: str  # published | refused | rolled_back | set_by_admin | balanced | budgets_set
     version: int  # the table in force after the decision
     imbalance_before: float  # live, worst layer, since the previous decision
     imbalance_predicted: float  # on the shadow sample under the table in force after it
@@ -84,6 +85,7 @@ class ModelRouting:
     sample: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # worker -> per-layer logit rows
     reports: dict[str, ExpertLoadReport] = field(default_factory=dict)  # worker -> its latest report
     watching: Decision | None = None  # the last publish, until live load confirms it
+    budgets: ExpertBudgets = field(default_factory=ExpertBudgets)  # request-level expert budgets, by tenant
 
 
 class RoutingController:
@@ -94,10 +96,10 @@ class RoutingController:
 
     # ------------------------------------------------------------------------------- workers
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
-             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingTable:
-        """A worker's loads (and shadow sample) in, the published table out. `active`: the worker's
-        table when it is newer than what this controller last answered (a restarted controller
-        adopts it, so versions keep growing and the workers keep taking them)."""
+             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingUpdate:
+        """A worker's loads (and shadow sample) in, the published table and the expert budgets out.
+        `active`: the worker's table when it is newer than what this controller last answered (a
+        restarted controller adopts it, so versions keep growing and the workers keep taking them)."""
         m = self._model(model, report, top_k)
         if active is not None and active.version > m.table.version:
             validate(active, m.num_layers, m.num_experts, m.table.version, MAX_ABS_BIAS)
@@ -114,7 +116,7 @@ class RoutingController:
         m.applied[worker] = report.table_version
         if sample is not None:
             m.sample[worker] = [s.float() for s in sample]
-        return m.table
+        return RoutingUpdate(m.table, m.budgets)
 
     def _model(self, model: str, report: ExpertLoadReport, top_k: int) -> ModelRouting:
         m = self.models.get(model)
@@ -221,11 +223,18 @@ class RoutingController:
         self._decide(model, "set_by_admin", table.version, 0.0, 0.0, None)
         return table
 
+    def set_budgets(self, model: str, budgets: ExpertBudgets) -> None:
+        """The tenants' expert budgets of `model` (budget.py), handed to every worker on its next sync.
+        A budget is clamped to [top_k, num_experts] by the workers; KeyError for an unknown model."""
+        m = self.models[model]
+        m.budgets = budgets
+        self._decide(model, "budgets_set", m.table.version, 0.0, 0.0, None, str(budgets.to_json()))
+
     def _decide(self, model: str, action: str, version: int, before: float, predicted: float,
                 check: ShadowCheck | None, reason: str = "") -> Decision:
         d = Decision(model, action, version, round(before, 4), round(predicted, 4), check, reason)
         self.decisions[model].append(d)
-        level = logging.INFO if action in ("published", "balanced", "set_by_admin") else logging.WARNING
+        level = logging.INFO if action in ("published", "balanced", "set_by_admin", "budgets_set") else logging.WARNING
         logger.log(level, "routing %s: %s v%d, imbalance %.3f -> %.3f predicted%s", model, action, version,
                    before, predicted, f" ({reason})" if reason else "")
         return d
@@ -233,7 +242,7 @@ class RoutingController:
     def state(self, model: str) -> dict[str, object]:
         """What the admin endpoint shows: the published table, each worker's applied version, recent decisions."""
         m = self.models[model]
-        return {"model": model, "table": m.table.to_json(), "workers": dict(m.applied),
+        return {"model": model, "table": m.table.to_json(), "budgets": m.budgets.to_json(), "workers": dict(m.applied),
                 "num_layers": m.num_layers, "num_experts": m.num_experts,
                 "consistent": all(v == m.table.version for v in m.applied.values()),
                 "decisions": [d.to_json() for d in list(self.decisions[model])[-16:]]}

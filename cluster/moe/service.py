@@ -1,10 +1,10 @@
 """`RoutingControlService`: the routing controller as a service, ticking on its own, behind one lock.
 
 Mental model: workers call `sync` every second or so; operators call `state`, `set_table`,
-`rollback` (the admin endpoint); a background thread calls `tick` for every known model each
-`tick_s`. A lock serialises them, since Ray may run an actor's calls on one thread while the ticker
-runs on another. `reports` hands each worker's latest `ExpertLoadReport` to the ingress, for
-/health and Prometheus. Wrapped as a Ray actor in cluster/moe/actor.py.
+`rollback`, `set_budgets` (the admin endpoint); a background thread calls `tick` for every known
+model each `tick_s`. A lock serialises them, since Ray may run an actor's calls on one thread while
+the ticker runs on another. `reports` hands each worker's latest `ExpertLoadReport` to the ingress,
+for /health, Prometheus and the dashboard. Wrapped as a Ray actor in cluster/moe/actor.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.engine.moe.routing_table import RoutingTable
+from actors.engine.moe.budget import ExpertBudgets
+from actors.engine.moe.routing_table import RoutingTable, RoutingUpdate
 from actors.engine.moe.telemetry import ExpertLoadReport
 from cluster.moe.controller import ControllerConfig, Decision, RoutingController
 
@@ -38,7 +39,7 @@ class RoutingControlService:
         return True
 
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
-             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingTable:
+             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingUpdate:
         with self._lock:
             return self.controller.sync(model, worker, report, top_k, sample, active)
 
@@ -60,6 +61,11 @@ class RoutingControlService:
     def set_table(self, model: str, bias: list[list[float]], version: int | None = None) -> dict[str, object]:
         with self._lock:
             self.controller.set_table(model, bias, version)
+            return self.controller.state(model)
+
+    def set_budgets(self, model: str, default: int | None, tenants: dict[str, int]) -> dict[str, object]:
+        with self._lock:
+            self.controller.set_budgets(model, ExpertBudgets.of(default, tenants))
             return self.controller.state(model)
 
     def rollback(self, model: str) -> dict[str, object]:

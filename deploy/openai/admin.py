@@ -12,12 +12,15 @@ The routing endpoints read and set the per-expert routing bias table of a model 
   finite, bounds, newer version: 400 with the reason as `code`) and publishes; every worker takes
   it on its next sync and swaps it in between two steps.
 - `POST /admin/routing/{model}/rollback`: back to the previous table (as a newer version).
+- `PUT /admin/routing/{model}/budgets` with `{"default": n?, "tenants": {"acme": 2}}`: request-level
+  expert budgets (experts per layer a request's decode tokens may use, chosen from its prompt), by
+  tenant; every worker takes them on its next sync.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,12 +40,22 @@ class RoutingAdmin(Protocol):
 
     async def rollback(self, model: str) -> dict[str, Any]: ...
 
+    async def set_budgets(self, model: str, default: int | None, tenants: dict[str, int]) -> dict[str, Any]: ...
+
 
 class RoutingTableUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     bias: list[list[float]] = Field(description="Per MoE layer, a bias per expert (logit units).")
     version: int | None = Field(None, description="Newer than the published one; default: the next.")
+
+
+class ExpertBudgetUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    default: int | None = Field(None, ge=1, description="Experts per layer for tenants not listed; null: all.")
+    tenants: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="Tenant -> experts per layer its requests' decode tokens may use.")
 
 
 def admin_guard(cfg: ApiConfig):  # type: ignore[no-untyped-def]
@@ -100,6 +113,10 @@ def mount_admin(app: FastAPI, cfg: ApiConfig, routing: RoutingAdmin | None, serv
     @app.put("/admin/routing/{model}", tags=["admin"])
     async def routing_set(model: str, body: RoutingTableUpdate, who: str = operator) -> dict[str, Any]:
         return await call("set_table", model, checked(model).set_table(served[model], body.bias, body.version))
+
+    @app.put("/admin/routing/{model}/budgets", tags=["admin"])
+    async def routing_budgets(model: str, body: ExpertBudgetUpdate, who: str = operator) -> dict[str, Any]:
+        return await call("set_budgets", model, checked(model).set_budgets(served[model], body.default, body.tenants))
 
     @app.post("/admin/routing/{model}/rollback", tags=["admin"])
     async def routing_rollback(model: str, who: str = operator) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Mental model: everything the OpenAI front needs to decide *before* a request reaches a backend:
 who may call (API key -> tenant; operator keys for /admin/), how big a body may be, which model
-names it answers to, and how many tokens to generate when a client names no limit. Cross-field rules live in one validator.
+names it answers to, and how many tokens to generate when a client names no limit. Cross-field
+rules live in one validator.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ class ApiConfig(BaseModel):
                 raise ValueError(f"api_keys: the key ending {key[-4:]!r} maps to an empty tenant")
         for key, who in self.admin_keys.items():
             if not key or key != key.strip() or not who:
-                raise ValueError("admin_keys: a key must be non-empty, without surrounding spaces, and name its operator")
+                raise ValueError("admin_keys: a key must be non-empty, without surrounding spaces, and name "
+                                 "its operator")
             if key in self.api_keys:
-                raise ValueError(f"admin_keys: the key ending {key[-4:]!r} is also a tenant key; the roles need their own")
+                raise ValueError(f"admin_keys: the key ending {key[-4:]!r} is also a tenant key; the roles "
+                                 "need their own")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
         if any(not name for name in self.served_model_names):

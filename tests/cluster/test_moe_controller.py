@@ -36,7 +36,7 @@ class FakeWorker:
 
     def sync(self, ctl: RoutingController) -> None:
         report = ExpertLoadReport(self.table.version, tuple(map(tuple, self.counts.tolist())))
-        self.table = ctl.sync("m", self.name, report, 2, self.last)
+        self.table = ctl.sync("m", self.name, report, 2, self.last).table
 
     def window_imbalance(self, ctl: RoutingController) -> float:
         return max(imbalance(r) for r in ctl.live_loads("m").double())

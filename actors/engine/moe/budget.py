@@ -9,7 +9,9 @@ fewer expert calls when many requests of a batch favour the same few. A request 
 computed elsewhere (no prompt seen here) runs unrestricted.
 
 Per step, `plan` gets the step's rows as `Segment`s in the order the runner lays tokens out; the
-layers then call `observe` (prompt rows add mass) and `allowed` (a [T, E] mask or None).
+layers then call `observe` (prompt rows add mass) and `allowed` (a [T, E] mask or None). Across a
+prefill -> decode handoff the choice travels with the request: `take_choice` on the prefill worker,
+`give_choice` on the decode worker (the decode worker never sees the prompt's routing).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class ExpertBudgets:
 
     def of_tenant(self, tenant: str) -> int | None:
         return dict(self.by_tenant).get(tenant, self.default)
+
+    def to_json(self) -> dict[str, object]:
+        return {"default": self.default, "tenants": dict(self.by_tenant)}
+
+    @classmethod
+    def of(cls, default: int | None, tenants: dict[str, int]) -> "ExpertBudgets":
+        return cls(default, tuple(sorted(tenants.items())))
 
 
 @dataclass(frozen=True)
@@ -82,21 +91,21 @@ class BudgetTracker:
         for s in segments:
             self._seen.add(s.request_id)
             budget = self.budget_of(s.request_id, s.tenant)
-            if budget is None or budget >= self.num_experts:
-                continue
-            if s.num_prompt_rows:
+            budgeted = budget is not None and budget < self.num_experts
+            chosen = self._chosen.get(s.request_id)  # also one given by the prefill worker (`give_choice`)
+            if budgeted and s.num_prompt_rows and chosen is None:
                 if s.request_id not in self._mass:
                     self._mass[s.request_id] = torch.zeros(self.num_layers, self.num_experts, device=device)
                 self._gather.append((s.request_id, s.first_row, s.first_row + s.num_prompt_rows))
-            chosen = self._chosen.get(s.request_id)
-            if s.num_rows > s.num_prompt_rows and chosen is None and s.request_id in self._mass and not s.num_prompt_rows:
-                chosen = self._choose(s.request_id, budget)
-            if chosen is not None and s.num_rows > s.num_prompt_rows:
+            generated = s.num_rows - s.num_prompt_rows
+            if budgeted and generated and chosen is None and s.request_id in self._mass and not s.num_prompt_rows:
+                chosen = self._choose(s.request_id, budget)  # type: ignore[arg-type]
+            if chosen is not None and generated:
                 rows.extend(range(s.first_row + s.num_prompt_rows, s.first_row + s.num_rows))
-                masks.extend([chosen] * (s.num_rows - s.num_prompt_rows))
+                masks.extend([chosen] * generated)
         if rows:
             self._rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            self._masks = torch.stack(masks, dim=1)  # [L, R, E]
+            self._masks = torch.stack(masks, dim=1).to(device)  # [L, R, E]
         else:
             self._rows = self._masks = None
 
@@ -122,6 +131,25 @@ class BudgetTracker:
     @property
     def wants_probs(self) -> bool:
         return bool(self._gather)
+
+    def take_choice(self, request_id: str, tenant: str = "") -> list[list[int]] | None:
+        """A prefill worker's half of a handoff: the request's experts per layer, chosen now from the
+        prompt mass gathered here (None: no budget, or no prompt computed here). Ship them with
+        the KV; the decode worker calls `give_choice`."""
+        budget = self.budget_of(request_id, tenant)
+        if budget is None or budget >= self.num_experts or request_id not in self._mass:
+            return None
+        self._choose(request_id, budget)
+        return self.experts_of(request_id)
+
+    def give_choice(self, request_id: str, experts: list[list[int]]) -> None:
+        """The decode worker's half: the request's generated tokens route only among `experts`."""
+        assert len(experts) == self.num_layers and all(len(e) >= self.top_k for e in experts), experts
+        chosen = torch.zeros(self.num_layers, self.num_experts, dtype=torch.bool)
+        for layer, ids in enumerate(experts):
+            chosen[layer, ids] = True
+        self._chosen[request_id] = chosen
+        self._seen.add(request_id)
 
     def experts_of(self, request_id: str) -> list[list[int]] | None:
         """The request's experts per layer, once chosen."""

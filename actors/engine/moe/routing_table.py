@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.engine.moe.budget import ExpertBudgets
+
 logger = logging.getLogger(__name__)
 
 MAX_ABS_BIAS = 8.0  # logit units: beyond this a bias overrides the router instead of nudging it
@@ -81,6 +83,15 @@ def validate(table: RoutingTable, num_layers: int, num_experts: int, active_vers
         raise TableRejected("out_of_bounds", f"|bias| {worst:.3g} is over the bound {max_abs_bias:g}")
     if table.version <= active_version:
         raise TableRejected("stale_version", f"version {table.version} is not newer than the active {active_version}")
+
+
+@dataclass(frozen=True)
+class RoutingUpdate:
+    """What a worker takes from the routing controller on each sync: the model's published table
+    and its tenants' expert budgets (budget.py)."""
+
+    table: RoutingTable
+    budgets: ExpertBudgets = field(default_factory=ExpertBudgets)
 
 
 @dataclass

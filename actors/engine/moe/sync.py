@@ -2,13 +2,14 @@
 
 Mental model: the worker pushes, the controller answers. Each exchange hands the controller this
 worker's expert loads (and, every `sample_every` exchanges, its shadow sample of router logits) and
-takes back the model's published table; a newer one is applied at once (`MoEControl.apply_table`
-validates it and it takes effect at the next engine step). Every worker of a model syncs with the
-same controller, so all converge on the same version within one period; a worker holding a newer
-table than the controller answers with (the controller restarted) hands it over to be adopted. A controller that does not
-answer, or a table this worker refuses, is logged; serving goes on with the table in force. The
-hub is anything with the controller's `sync` signature: the controller itself in one process, a
-Ray actor behind actors/moe_link.py.
+takes back a `RoutingUpdate`: the model's published table and its tenants' expert budgets. A newer
+table is applied at once (`MoEControl.apply_table` validates it; it takes effect at the next engine
+step). Every worker of a model syncs with the same controller, so all converge on the same version
+within one period; a worker holding a newer table than the controller answers with (the controller
+restarted) hands it over to be adopted. A controller that does not answer, or a table this worker
+refuses, is logged; serving goes on with the table in force. The hub is anything with the
+controller's `sync` signature: the controller itself in one process, a Ray actor behind
+actors/moe_link.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Protocol
 import torch
 
 from actors.engine.moe.control import MoEControl
-from actors.engine.moe.routing_table import RoutingTable, TableRejected
+from actors.engine.moe.routing_table import RoutingTable, RoutingUpdate, TableRejected
 from actors.engine.moe.telemetry import ExpertLoadReport
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 class RoutingHub(Protocol):
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
-             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingTable: ...
+             sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingUpdate: ...
 
 
 class RoutingSync:
@@ -47,11 +48,15 @@ class RoutingSync:
         sample = self.control.sample.read() if self.num_syncs % self.sample_every == 0 else None
         self.num_syncs += 1
         active = self.control.state.active
-        table = self.hub.sync(self.model, self.worker, self.control.report(), self.control.top_k, sample,
-                              active if active.version > self._answered else None)
+        update = self.hub.sync(self.model, self.worker, self.control.report(), self.control.top_k, sample,
+                               active if active.version > self._answered else None)
+        table = update.table
         self._answered = table.version
         if table.version > active.version:
             self.control.apply_table(table)
+        if update.budgets != self.control.budget.budgets:
+            logger.info("%s: expert budgets now %s", self.worker, update.budgets.to_json())
+            self.control.budget.budgets = update.budgets  # read by the next step's plan
         return table
 
     def start(self) -> "RoutingSync":

@@ -69,6 +69,19 @@ def recorded_versions(control: MoEControl) -> list[int]:
     return seen
 
 
+def recorded_routes(control: MoEControl) -> list[torch.Tensor]:
+    """Wraps the load counters: every layer's chosen experts [T, k], in call order."""
+    routed: list[torch.Tensor] = []
+    inner = control.loads.add
+
+    def add(layer: int, top_e: torch.Tensor) -> None:
+        routed.append(top_e.clone())
+        inner(layer, top_e)
+
+    control.loads.add = add  # type: ignore[method-assign]
+    return routed
+
+
 def test_dense_model_gets_no_control(tiny_llama_dir) -> None:
     assert install_moe_control(make_engine(tiny_llama_dir)) is None
 
@@ -94,7 +107,8 @@ def test_a_table_applied_between_steps_is_used_by_the_very_next_step(tiny_moe_di
     versions = recorded_versions(control)
     t1, t2 = tables(control, 2)
     applied_at = {3: t1, 6: t2}
-    out = run(engine, prompts(3, 10), before_step=lambda step: applied_at.get(step) and control.apply_table(applied_at[step]))
+    out = run(engine, prompts(3, 10),
+              before_step=lambda step: applied_at.get(step) and control.apply_table(applied_at[step]))
     assert versions[:3] == [0, 0, 0] and versions[3:6] == [1, 1, 1] and set(versions[6:]) == {2}
     assert all(len(t) == GREEDY.max_tokens for t in out.values())
 
@@ -191,9 +205,7 @@ def test_non_finite_router_scores_put_a_layer_in_safe_mode_until_the_next_table(
 def test_budgeted_decode_tokens_use_only_the_experts_chosen_from_the_prompt(tiny_moe_dir) -> None:
     engine = make_engine(tiny_moe_dir)
     control = install_moe_control(engine, ExpertBudgets(by_tenant=(("small", 2),)))
-    routed: list[torch.Tensor] = []
-    inner = control.loads.add
-    control.loads.add = lambda layer, top_e: (routed.append(top_e.clone()), inner(layer, top_e))  # type: ignore[method-assign]
+    routed = recorded_routes(control)
     from actors.engine.options import RequestOptions
 
     engine.add_request("b", prompts(1, 20, seed=2)[0], GREEDY, RequestOptions(tenant="small"))
@@ -255,3 +267,34 @@ def test_workers_sync_with_the_controller_and_a_restarted_one_adopts_their_table
     for s in syncs:
         s.sync_once()
     assert [c.state.active.version for c in controls] == [2, 2]
+    restarted.set_budgets("m", ExpertBudgets(default=2))
+    syncs[1].sync_once()
+    assert controls[1].budget.budgets.default == 2 and controls[0].budget.budgets.default is None
+
+
+def test_the_expert_choice_travels_from_a_prefill_engine_to_a_decode_engine(tiny_moe_dir) -> None:
+    from actors.engine.options import RequestOptions
+
+    prompt = prompts(1, 18, seed=8)[0]
+    prefill = make_engine(tiny_moe_dir)
+    pc = install_moe_control(prefill, ExpertBudgets(by_tenant=(("small", 2),)))
+    prefill.add_request("h", prompt, GREEDY, RequestOptions(tenant="small", prefill_only=True))
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    experts = pc.budget.take_choice("h", "small")
+    assert experts is not None and all(len(e) == 2 for e in experts)
+    assert pc.budget.take_choice("h", "other-tenant") is None  # no budget for that tenant
+
+    decode = make_engine(tiny_moe_dir)
+    dc = install_moe_control(decode)  # no budgets configured here: the choice alone restricts
+    routed = recorded_routes(dc)
+    dc.budget.give_choice("h", experts)
+    decode.add_request("h", prompt, GREEDY)
+    decode.step()  # its prompt here (standing in for the KV that arrives): unrestricted
+    num_prompt_layers = len(routed)
+    while decode.has_unfinished_requests():
+        decode.step()
+    decode_rows = routed[num_prompt_layers:]
+    assert decode_rows
+    for i, top_e in enumerate(decode_rows):
+        assert set(top_e.flatten().tolist()) <= set(experts[i % len(experts)])

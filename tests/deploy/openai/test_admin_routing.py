@@ -11,6 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from actors.engine.moe.budget import ExpertBudgets
 from actors.engine.moe.routing_table import RoutingTable
 from actors.engine.moe.telemetry import ExpertLoadReport
 from cluster.moe.service import RoutingControlService
@@ -39,6 +40,9 @@ class LocalAdmin:
 
     async def rollback(self, model: str) -> dict[str, Any]:
         return self.service.rollback(model)
+
+    async def set_budgets(self, model: str, default: int | None, tenants: dict[str, int]) -> dict[str, Any]:
+        return self.service.set_budgets(model, default, tenants)
 
     async def reports(self, model: str) -> dict[str, ExpertLoadReport]:
         return self.service.reports(model)
@@ -88,7 +92,7 @@ def test_read_set_and_roll_back_a_table(service: RoutingControlService) -> None:
     assert put.status_code == 200 and put.json()["table"] == {"version": 1, "bias": bias}
     assert not put.json()["consistent"]  # the workers take it on their next sync
     for worker in ("decode-0", "prefill-0"):
-        assert service.sync("tiny-moe", worker, report(0), 2) == RoutingTable.of(1, bias)
+        assert service.sync("tiny-moe", worker, report(0), 2).table == RoutingTable.of(1, bias)
         service.sync("tiny-moe", worker, report(1), 2)
     assert c.get("/admin/routing/moe", headers=ADMIN).json()["consistent"]
     for body, code in (({"bias": [[0.0] * 4]}, "shape"), ({"bias": [[99.0] + [0.0] * 3, [0.0] * 4]}, "out_of_bounds"),
@@ -99,6 +103,18 @@ def test_read_set_and_roll_back_a_table(service: RoutingControlService) -> None:
     back = c.post("/admin/routing/moe/rollback", headers=ADMIN).json()
     assert back["table"]["version"] == 2 and back["table"]["bias"] == [[0.0] * 4] * 2
     assert [d["action"] for d in back["decisions"]] == ["set_by_admin", "rolled_back"]
+
+
+def test_tenant_expert_budgets_reach_the_workers(service: RoutingControlService) -> None:
+    c = client(service)
+    put = c.put("/admin/routing/moe/budgets", headers=ADMIN, json={"default": None, "tenants": {"acme": 2}})
+    assert put.status_code == 200 and put.json()["budgets"] == {"default": None, "tenants": {"acme": 2}}
+    update = service.sync("tiny-moe", "decode-0", report(), 2)
+    assert update.budgets == ExpertBudgets(None, (("acme", 2),)) and update.budgets.of_tenant("acme") == 2
+    for bad in ({"tenants": {"acme": 0}}, {"default": 0}, {"tenants": {"acme": "x"}}, {"nope": 1}):
+        r = c.put("/admin/routing/moe/budgets", headers=ADMIN, json=bad)
+        assert r.status_code == 400, bad
+    assert c.put("/admin/routing/moe/budgets", headers=TENANT, json={}).status_code == 403
 
 
 def test_unknown_and_dense_models(service: RoutingControlService) -> None:
