@@ -35,8 +35,11 @@ def skewed_moe_engine(root: Path, *, num_experts: int = 8, top_k: int = 2, num_l
     path = write_tiny_model(root / f"moe-e{num_experts}k{top_k}l{num_layers}h{hidden}s{seed}", moe=True, seed=seed,
                             num_experts=num_experts, num_experts_per_tok=top_k, num_layers=num_layers,
                             hidden_size=hidden, intermediate_size=intermediate, vocab_size=512)
+    # No prefix cache: a prompt served twice (the held-out traffic before and after) computes, and
+    # counts, the same tokens both times.
     engine = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", num_blocks=1024,
-                                                       max_num_seqs=max_num_seqs, prepack_weights=False))
+                                                       max_num_seqs=max_num_seqs, prepack_weights=False,
+                                                       enable_prefix_caching=False))
     calibration = random_prompts(32, 48, seed=seed + 1000)
     skew_router(engine, calibration, strength=strength, zipf_s=zipf_s, seed=seed)
     control = install_moe_control(engine)

@@ -149,7 +149,6 @@ class BudgetTracker:
         for layer, ids in enumerate(experts):
             chosen[layer, ids] = True
         self._chosen[request_id] = chosen
-        self._seen.add(request_id)
 
     def experts_of(self, request_id: str) -> list[list[int]] | None:
         """The request's experts per layer, once chosen."""
@@ -157,13 +156,12 @@ class BudgetTracker:
         return None if chosen is None else [row.nonzero().flatten().tolist() for row in chosen.cpu()]
 
     def retain(self, live: set[str]) -> None:
-        """Forgets requests no longer in the engine (a budget set for a request not yet seen stays)."""
-        for d in (self._mass, self._chosen):
-            for request_id in [r for r in d if r not in live]:
-                del d[request_id]
+        """Forgets the requests a step carried that are no longer in `live` (the engine's). A budget or
+        a choice given for a request no step has carried yet (a handoff still on its way) stays."""
         for request_id in [r for r in self._seen if r not in live]:
             self._seen.discard(request_id)
-            self._by_request.pop(request_id, None)
+            for d in (self._mass, self._chosen, self._by_request):
+                d.pop(request_id, None)
 
     @property
     def num_budgeted(self) -> int:

@@ -18,7 +18,7 @@ HOOK (for the engine's owner): the wrapper needs, per step, the scheduled reques
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,14 +54,15 @@ class MoEControl:
 
     # ------------------------------------------------------------------------------- per step
     def begin_step(self, requests: Sequence[Any] = (), chunks: Sequence[Any] = (),
-                   live: set[str] | None = None) -> None:
+                   live: Callable[[], set[str]] | None = None) -> None:
         """Before a forward: fixes its table and lays out its budgeted rows. `requests[i]` (with
-        `request_id`, `tenant`, `prompt_token_ids`) computes `chunks[i]` (`token_ids`, `start_pos`)."""
+        `request_id`, `tenant`, `prompt_token_ids`) computes `chunks[i]` (`token_ids`, `start_pos`);
+        `live()`: the ids of the requests still in the engine, asked every `RETAIN_EVERY_STEPS` steps."""
         self.state.begin_step(self.device)
         self.budget.plan(_segments(requests, chunks), self.device)
         self._num_steps += 1
         if live is not None and self._num_steps % RETAIN_EVERY_STEPS == 0:
-            self.budget.retain(live)
+            self.budget.retain(live())
 
     def route(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [T, E] float32 -> (weights [T, k], experts [T, k]), and records them."""
@@ -129,7 +130,7 @@ def install_moe_control(engine: Any, budgets: ExpertBudgets | None = None) -> Mo
     def prepare_step():  # type: ignore[no-untyped-def]  # MoE HOOK: see the module docstring
         prepared = inner()
         if prepared is not None:
-            control.begin_step(prepared.batch.requests, prepared.chunks, set(engine.requests))
+            control.begin_step(prepared.batch.requests, prepared.chunks, lambda: set(engine.requests))
         return prepared
 
     engine.prepare_step = prepare_step

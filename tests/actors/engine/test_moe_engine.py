@@ -298,3 +298,17 @@ def test_the_expert_choice_travels_from_a_prefill_engine_to_a_decode_engine(tiny
     assert decode_rows
     for i, top_e in enumerate(decode_rows):
         assert set(top_e.flatten().tolist()) <= set(experts[i % len(experts)])
+
+
+def test_budgets_of_finished_requests_are_forgotten_and_a_pending_choice_is_kept(tiny_moe_dir) -> None:
+    from actors.engine.moe import control as control_module
+
+    engine = make_engine(tiny_moe_dir)
+    control = install_moe_control(engine, ExpertBudgets(default=2))
+    control.budget.give_choice("on-its-way", [[0, 1]] * control.state.num_layers)
+    run(engine, prompts(2, 8))
+    assert control.budget.num_budgeted == 3
+    for i in range(control_module.RETAIN_EVERY_STEPS):  # steps of other requests
+        engine.add_request(f"x{i}", [5, 6, 7], SamplingParams(max_tokens=1))
+        engine.step()
+    assert control.budget.experts_of("r0") is None and control.budget.experts_of("on-its-way") == [[0, 1]] * 2
