@@ -91,6 +91,11 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
 
+    def cached_free_ids(self) -> list[int]:
+        """Free blocks holding a cached prefix, in eviction order (the global LRU; with tenant
+        shares the order differs by tenant)."""
+        return [i for i, b in self._free.items() if b.block_hash is not None]
+
     def usage(self) -> dict[str, int]:
         """Blocks charged to each tenant: in use, plus free ones still holding its cached prefixes."""
         out = dict(self.in_use)  # copies in one C call: safe to read from another thread (load polls)

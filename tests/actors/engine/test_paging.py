@@ -102,11 +102,29 @@ def test_next_run_extends_in_place_when_free_else_goes_to_the_highest_free_range
     assert kv.block_ids("c") == [56, 57, 58, 59, 60] and kv.pager.stats().num_runs == 3
     short = make_request("s", list(range(50, 58)), 1)
     prefill(kv, short)
-    assert kv.block_ids("s") == [63, 0]  # the free queue's front; 61, 62 are held for "c"
+    assert kv.block_ids("s") == [0, 63]  # the free queue's front (in id order); 61, 62 are held for "c"
     for t in range(11):
         assert decode(kv, req, t)  # 29 tokens: 8 blocks; 63 is taken: the next run is the highest free one
     assert kv.block_ids("c") == [56, 57, 58, 59, 60, 61, 62, 53]
     kv.check_integrity()
+
+
+def test_runs_evict_only_the_prefixes_lazy_paging_would_evict():
+    kv = KVCacheManager(10, BS, paging=AWARE)
+    pool = kv.pool
+    blocks = pool.allocate(10)
+    for b in blocks:
+        pool.cache_block(b, 1000 + b.block_id)
+    for ids in ([5, 4, 3], [9, 8], [1, 0]):  # LRU: 5, 4, 3, 9, 8, 1, 0; blocks 2, 6, 7 stay in use
+        pool.free(blocks[i] for i in ids)
+    req = make_request("l", list(range(8)), 20)  # long; its 2 blocks: lazy would evict 5 and 4
+    assert kv.allocate_slots(req, 8)
+    assert kv.block_ids("l") == [4, 5] and pool.num_held_blocks == 0  # nothing empty to hold ahead
+    assert sorted(pool.cached_hashes()) == [1000, 1001, 1002, 1003, 1006, 1007, 1008, 1009]
+    other = make_request("m", list(range(50, 62)), 20)  # 3 blocks: 3, 9, 8 by LRU, never a range of 3
+    assert kv.allocate_slots(other, 12)
+    assert kv.block_ids("m") == [3, 8, 9] and kv.pager.stats().num_run_misses == 1  # lazy's, in id order
+    pool.check_integrity()
 
 
 def test_soft_holds_are_lent_under_pressure_and_the_owner_starts_a_new_run():
