@@ -80,6 +80,7 @@ class ModelRouting:
     table: RoutingTable
     previous: list[RoutingTable] = field(default_factory=list)  # for rollback, newest last
     totals: dict[str, torch.Tensor] = field(default_factory=dict)  # worker -> cumulative counts at window start
+    last_counts: dict[str, torch.Tensor] = field(default_factory=dict)  # worker -> counts at its last report
     window: dict[str, torch.Tensor] = field(default_factory=dict)  # worker -> counts since then [L, E]
     applied: dict[str, int] = field(default_factory=dict)  # worker -> table version it routes with
     sample: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # worker -> per-layer logit rows
@@ -108,11 +109,15 @@ class RoutingController:
             m.table = active
         m.reports[worker] = report
         counts = torch.tensor(report.tokens, dtype=torch.int64)
-        base = m.totals.get(worker)
-        if base is None or m.applied.get(worker) != report.table_version or bool((counts < base).any()):
-            m.totals[worker], m.window[worker] = counts, torch.zeros_like(counts)  # new window: new table or restart
-        else:
-            m.window[worker] = counts - base
+        prev, m.last_counts[worker] = m.last_counts.get(worker), counts
+        if prev is not None and bool((counts < prev).any()):  # the worker restarted
+            m.totals[worker] = counts
+        elif m.applied.get(worker) != report.table_version:
+            # It took this table right after its previous report: what it routed since ran under it.
+            m.totals[worker] = prev if prev is not None else counts
+        elif worker not in m.totals:  # a window the controller restarted (a decision)
+            m.totals[worker] = counts
+        m.window[worker] = counts - m.totals[worker]
         m.applied[worker] = report.table_version
         if sample is not None:
             m.sample[worker] = [s.float() for s in sample]
@@ -129,7 +134,7 @@ class RoutingController:
     def forget_worker(self, model: str, worker: str) -> None:
         m = self.models.get(model)
         if m is not None:
-            for d in (m.totals, m.window, m.applied, m.sample, m.reports):
+            for d in (m.totals, m.last_counts, m.window, m.applied, m.sample, m.reports):
                 d.pop(worker, None)
 
     # ------------------------------------------------------------------------------- control

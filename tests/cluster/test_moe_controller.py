@@ -117,3 +117,17 @@ def test_operator_tables_are_validated_and_published_as_the_next_version() -> No
     assert ctl.rollback("m").version == 2 and ctl.models["m"].table.bias == RoutingTable.zeros(2, 8).bias
     with pytest.raises(KeyError):
         ctl.set_table("other", [[0.0]])
+
+
+def test_tokens_routed_after_taking_a_table_count_for_it_at_the_next_report() -> None:
+    ctl = RoutingController()
+    w = FakeWorker("a", 1)
+    w.sync(ctl)
+    ctl.set_table("m", [[-0.5] + [0.0] * 7] * 2)
+    w.sync(ctl)  # reports v0, takes v1
+    w.serve(tokens=600)  # all under v1
+    w.sync(ctl)
+    assert int(ctl.live_loads("m").sum()) == 2 * 600 * 2  # layers x tokens x top-k
+    w.counts.zero_()  # a restarted worker counts from 0
+    w.sync(ctl)
+    assert int(ctl.live_loads("m").sum()) == 0
