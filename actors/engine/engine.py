@@ -73,7 +73,7 @@ class Engine(KVExchange):
         logger.info("%s", self.kv_plan.describe())
         num_blocks = self.num_blocks = self.kv_plan.num_blocks
         self.kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
-                                 self.cfg.tenant_kv_shares)
+                                 self.cfg.tenant_kv_shares, self.cfg.kv_paging)
         self.limits = RequestLimits(model.cfg.vocab_size, self.max_model_len, num_blocks, self.cfg.block_size)
         offload = HostOffload.for_model(self.cfg.max_offload_bytes, model.cfg, self.cfg.block_size, dtype)
         self.scheduler = Scheduler(self.cfg, self.kv, offload)

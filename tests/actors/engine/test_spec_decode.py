@@ -166,3 +166,17 @@ def test_bad_spec_config():
         SpecConfig(method="ngram", max_draft_tokens=0)
     with pytest.raises(ValueError, match="policy"):
         SpecConfig(method="ngram", policy="sometimes")
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_speculation_under_request_aware_paging(tiny_llama_dir, hard):
+    # Long requests hold runs of blocks ahead; rejected drafts' slots go back to the run (trim).
+    from actors.engine.paging import PagingPolicy
+
+    paging = PagingPolicy(mode="request_aware", long_tokens=32, run_blocks=4, hard_holds=hard)
+    want = run(engine(tiny_llama_dir, SpecConfig()), GREEDY)
+    e = engine(tiny_llama_dir, SpecConfig(method="ngram", **ALWAYS), kv_paging=paging)
+    outs = e.generate(PROMPTS, GREEDY)
+    e.check_integrity()
+    assert [o.token_ids for o in outs] == want
+    assert e.stats().num_draft_tokens > e.stats().num_accepted_tokens > 0
