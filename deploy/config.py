@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.engine.config import EngineConfig
+from actors.engine.paging import PagingPolicy
 from actors.engine.spec import SpecConfig
 from actors.engine.shares import TenantShares
 from actors.prefix_cache.store import PrefixCacheConfig
@@ -37,6 +38,23 @@ class ConfigSection(BaseModel):
     an error naming it, and a validated section is frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PagingSection(ConfigSection):
+    """Which free KV blocks a request's KV goes to (actors/engine/paging.py). Block hashes and prefix
+    sharing are the same under every mode; bench/paging.py measures what each costs and buys."""
+
+    mode: Literal["lazy", "request_aware"] = Field(
+        "lazy", description="lazy: blocks from the free queue as needed; request_aware: long requests take "
+                            "contiguous runs of block ids held ahead (faster CPU decode attention on their "
+                            "rows), short ones the lazy blocks in id order")
+    long_tokens: int = Field(1024, ge=1, description="prompt + max_tokens from which a request is long")
+    run_blocks: int = Field(32, ge=1, description="blocks a long request holds ahead of its need")
+    hard_holds: bool = Field(False, description="held blocks are reserved (true) or lent when the pool runs "
+                                                "short (false: admits as lazy does)")
+
+    def to_policy(self) -> PagingPolicy:
+        return PagingPolicy(self.mode, self.long_tokens, self.run_blocks, self.hard_holds)
 
 
 class SpeculationSection(ConfigSection):
@@ -113,6 +131,7 @@ class EngineSection(ConfigSection):
                                 "resume from it, nothing recomputed, when interactive work needed their "
                                 "blocks; 0 turns offload off (they are recomputed)")
     speculation: SpeculationSection = SpeculationSection()
+    kv_paging: PagingSection = PagingSection()
 
 
 class TransferSection(ConfigSection):
@@ -205,6 +224,7 @@ class AppConfig(ConfigSection):
             kv_cache_dtype=e.kv_cache_dtype, enable_prefix_caching=e.enable_prefix_caching,
             prepack_weights=e.prepack_weights, max_offload_bytes=e.max_offload_mib * MIB,
             tenant_kv_shares=tenant_kv_shares or TenantShares(), speculation=e.speculation.to_spec_config(),
+            kv_paging=e.kv_paging.to_policy(),
         )
         return engine if resources is None else resources.place(engine)
 

@@ -69,3 +69,13 @@ def test_each_tenants_setting_becomes_the_routers() -> None:
     assert SchedulerSection.model_validate({"default_tenant": None}).speculation_policy()["speculation"] is True
     with pytest.raises(ValidationError, match="speculation"):
         SchedulerSection.model_validate({"tenants": {"a": {"speculation": "on"}}})
+
+
+def test_kv_paging_section_maps_to_the_engine():
+    from actors.engine.paging import PagingPolicy
+
+    cfg = load_config({"engine": {"kv_paging": {"mode": "request_aware", "long_tokens": 2048, "run_blocks": 16}}})
+    assert cfg.to_engine_config().kv_paging == PagingPolicy("request_aware", 2048, 16, False)
+    assert load_config({}).to_engine_config().kv_paging == PagingPolicy()
+    with pytest.raises(ConfigError, match="mode"):
+        load_config({"engine": {"kv_paging": {"mode": "eager"}}})
