@@ -13,7 +13,9 @@ than with the two-sided rule). The candidate is tried on the shadow sample
 (the quality budget); a candidate that fails is halved and tried again, and refused after
 `max_tries`. The next tick checks the published table on live load: imbalance worse than before
 it by `rollback_margin` rolls it back (a newer version carrying the previous biases). Every
-decision is logged and kept (`decisions`) with the imbalance before and after.
+decision is logged and kept (`decisions`) with the live imbalance before it and the one predicted
+after it on the shadow sample; every published table's live imbalance before and after it is logged
+and kept too (`outcomes`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class RoutingController:
         self.cfg = cfg or ControllerConfig()
         self.models: dict[str, ModelRouting] = {}
         self.decisions: dict[str, deque[Decision]] = {}
+        # model -> (version, live imbalance before it, live imbalance after it) of published tables
+        self.outcomes: dict[str, deque[tuple[int, float, float]]] = {}
 
     # ------------------------------------------------------------------------------- workers
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
@@ -129,6 +133,7 @@ class RoutingController:
             layers, experts = len(report.tokens), len(report.tokens[0])
             m = self.models[model] = ModelRouting(layers, experts, top_k, RoutingTable.zeros(layers, experts))
             self.decisions[model] = deque(maxlen=self.cfg.max_decisions_kept)
+            self.outcomes[model] = deque(maxlen=self.cfg.max_decisions_kept)
         return m
 
     def forget_worker(self, model: str, worker: str) -> None:
@@ -154,6 +159,10 @@ class RoutingController:
             return None
         before = max(imbalance(row) for row in loads)
         watched, m.watching = m.watching, None
+        if watched is not None:  # the published table's outcome, on live traffic
+            self.outcomes[model].append((watched.version, watched.imbalance_before, round(before, 4)))
+            logger.info("routing %s: v%d live imbalance %.3f before it, %.3f after (%.3f predicted)", model,
+                        watched.version, watched.imbalance_before, before, watched.imbalance_predicted)
         if watched is not None and m.previous and before > watched.imbalance_before * self.cfg.rollback_margin:
             return self._rollback(m, model, before, f"live imbalance {before:.2f} > {watched.imbalance_before:.2f} "
                                                     f"before v{watched.version}")
@@ -250,4 +259,6 @@ class RoutingController:
         return {"model": model, "table": m.table.to_json(), "budgets": m.budgets.to_json(), "workers": dict(m.applied),
                 "num_layers": m.num_layers, "num_experts": m.num_experts,
                 "consistent": all(v == m.table.version for v in m.applied.values()),
-                "decisions": [d.to_json() for d in list(self.decisions[model])[-16:]]}
+                "decisions": [d.to_json() for d in list(self.decisions[model])[-16:]],
+                "outcomes": [{"version": v, "imbalance_before": b, "imbalance_after": a}
+                             for v, b, a in list(self.outcomes[model])[-16:]]}

@@ -69,6 +69,9 @@ def test_controller_lowers_the_peak_and_every_worker_takes_the_same_version() ->
     assert after < first.imbalance_before * 0.8
     state = ctl.state("m")
     assert state["consistent"] and set(state["workers"].values()) == {ctl.models["m"].table.version}
+    outcomes = state["outcomes"]
+    assert outcomes and outcomes[0]["version"] == 1 and outcomes[0]["imbalance_before"] == first.imbalance_before
+    assert outcomes[0]["imbalance_after"] < outcomes[0]["imbalance_before"]
     assert ctl.models["m"].table.tensor()[:, 0].max() < 0  # the hot expert pushed down
 
 
