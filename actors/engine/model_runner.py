@@ -30,12 +30,20 @@ class SeqChunk:
     num_logits: int = 1
 
 
-def _attention_rows(c: SeqChunk) -> list[tuple[int, int]]:
-    """(first token, number of tokens) of each attention row of a chunk."""
-    n = len(c.token_ids)
-    if n > 1 and c.needs_logits and c.num_logits == n and c.start_pos > 0:
-        return [(j, 1) for j in range(n)]
-    return [(0, n)]
+def attention_layout(chunks: list[SeqChunk]) -> list[tuple[int, int, int]]:
+    """The forward's attention rows in order, as (chunk, its first token in the row, tokens): a
+    chunk is one row, except a verify chunk (every token due logits, after cached context), whose
+    tokens are decode rows of their own (the batched decode kernels, not one small ragged prefill
+    per row). Single-token rows go first, each group in chunk order, so a chunk's tokens stay
+    adjacent. Whoever lays out per-token data of a forward (MoE budgets) uses this too."""
+    rows = []
+    for i, c in enumerate(chunks):
+        n = len(c.token_ids)
+        if n > 1 and c.needs_logits and c.num_logits == n and c.start_pos > 0:
+            rows += [(i, j, 1) for j in range(n)]
+        else:
+            rows.append((i, 0, n))
+    return sorted(rows, key=lambda r: r[2] != 1)
 
 
 class StepReplayer(Protocol):
@@ -95,11 +103,7 @@ class ModelRunner:
         there is one. `num_layers`: only the first layers run (`CausalLM.forward`)."""
         if num_layers is None and self.graphs is not None and self.graphs.supports(chunks):
             return self.graphs.run(chunks)
-        # Attention rows: a chunk is one row, except a verify chunk (every token due logits, after
-        # cached context), whose tokens attend as decode rows of their own (the batched decode
-        # kernels, not one small ragged prefill per row). Single-token rows go first.
-        rows = [(i, j, m) for i, c in enumerate(chunks) for j, m in _attention_rows(c)]
-        order = sorted(range(len(rows)), key=lambda r: rows[r][2] != 1)
+        rows = attention_layout(chunks)
         num_decodes = sum(1 for _, _, m in rows if m == 1)
         bs = self.block_size
         input_ids: list[int] = []
@@ -110,8 +114,7 @@ class ModelRunner:
         first_token: dict[tuple[int, int], int] = {}  # (chunk, its token j) -> flat index, per row
         max_blocks = max(len(c.block_ids) for c in chunks)
         table = torch.zeros(len(rows), max_blocks, dtype=torch.int32)
-        for row, r in enumerate(order):
-            i, j, m = rows[r]
+        for row, (i, j, m) in enumerate(rows):
             c = chunks[i]
             start, end = c.start_pos + j, c.start_pos + j + m
             assert len(c.block_ids) * bs >= end, "chunk's blocks do not cover its tokens"

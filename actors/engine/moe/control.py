@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from actors.engine.model_runner import attention_layout
 from actors.engine.moe.budget import BudgetTracker, ExpertBudgets, Segment
 from actors.engine.moe.layer import SparseMoE
 from actors.engine.moe.routing import route
@@ -48,6 +49,7 @@ class MoEControl:
         self.sample = LogitSample(num_layers, num_experts, sample_capacity)
         self.budget = BudgetTracker(num_layers, num_experts, top_k, budgets)
         self._num_steps = 0
+        self._step_rows = -1  # rows of the step's forward; another count is a drafting pass (speculation)
         for i, layer in enumerate(layers):
             layer.layer_index = i
             layer.routing = self
@@ -60,6 +62,7 @@ class MoEControl:
         `live()`: the ids of the requests still in the engine, asked every `RETAIN_EVERY_STEPS` steps."""
         self.state.begin_step(self.device)
         self.budget.plan(_segments(requests, chunks), self.device)
+        self._step_rows = sum(len(c.token_ids) for c in chunks) if chunks else -1
         self._num_steps += 1
         if live is not None and self._num_steps % RETAIN_EVERY_STEPS == 0:
             self.budget.retain(live())
@@ -70,6 +73,10 @@ class MoEControl:
         if bias is not None and not bool(torch.isfinite(logits + bias).all()) and bool(torch.isfinite(logits).all()):
             self.state.enter_safe_mode(layer, "non-finite biased router scores")
             bias = None
+        if logits.shape[0] != self._step_rows and self._step_rows >= 0:
+            # an early-exit draft pass between the step's layout and its forward: the step's table
+            # routes it, but no budget rows apply and it is not traffic to count
+            return route(logits, self.top_k, bias, None)
         top_w, top_e = route(logits, self.top_k, bias, self.budget.allowed(layer, logits.shape[0]))
         self.loads.add(layer, top_e)
         self.sample.add(layer, logits)
@@ -92,16 +99,19 @@ class MoEControl:
 
 
 def _segments(requests: Sequence[Any], chunks: Sequence[Any]) -> list[Segment]:
-    # The runner lays single-token chunks (decodes) first, then the rest, each group in step order
-    # (ModelRunner.execute); rows here must match its layout.
-    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
-    out, row = [], 0
-    for i in order:
+    # Rows in the runner's layout (`attention_layout`): a chunk's tokens are adjacent rows, a verify
+    # chunk's included (its tokens are decode rows of their own, side by side).
+    first: dict[int, int] = {}
+    row = 0
+    for i, _, m in attention_layout(list(chunks)):
+        first.setdefault(i, row)
+        row += m
+    out = []
+    for i in sorted(first, key=first.__getitem__):
         req, chunk = requests[i], chunks[i]
         n, start = len(chunk.token_ids), chunk.start_pos
         num_prompt = max(0, min(start + n, len(req.prompt_token_ids)) - start)
-        out.append(Segment(req.request_id, getattr(req, "tenant", ""), row, n, num_prompt))
-        row += n
+        out.append(Segment(req.request_id, getattr(req, "tenant", ""), first[i], n, num_prompt))
     return out
 
 

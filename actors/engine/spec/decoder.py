@@ -98,8 +98,7 @@ class SpecDecoder:
                            sampled=self.cfg.sample_drafts and not req.params.is_greedy)
             row.index = i
             rows.append(row)
-            if self.ngram is not None:
-                chunks[i] = self._verify_chunk(row)
+            chunks[i] = self._verify_chunk(row)
         return rows
 
     def _max_k(self, req: Request, chunk: SeqChunk) -> int:
@@ -113,7 +112,11 @@ class SpecDecoder:
 
     @staticmethod
     def _verify_chunk(row: DraftRow) -> SeqChunk:
-        return SeqChunk([row.req.token_ids[-1]] + row.drafts, row.last, row.block_ids, True, 1 + row.k)
+        """The row's verify chunk: its last token and its drafts. A model drafter's drafts come in
+        `draft`; until then placeholders stand in, so the step shows its real shape to whoever lays
+        out its rows before the forward (MoE budgets)."""
+        drafts = row.drafts or [row.req.token_ids[-1]] * row.k
+        return SeqChunk([row.req.token_ids[-1]] + drafts, row.last, row.block_ids, True, 1 + row.k)
 
     # ------------------------------------------------------------------------------------ draft
     def draft(self, rows: list[DraftRow], chunks: list[SeqChunk]) -> None:

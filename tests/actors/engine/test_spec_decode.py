@@ -180,3 +180,22 @@ def test_speculation_under_request_aware_paging(tiny_llama_dir, hard):
     e.check_integrity()
     assert [o.token_ids for o in outs] == want
     assert e.stats().num_draft_tokens > e.stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["ngram", "early_exit"])
+def test_speculation_on_a_moe_model_with_expert_budgets(tiny_moe_dir, name):
+    # Verify rows keep the MoE budget layout (a chunk's tokens adjacent rows); early-exit draft
+    # passes route with the step's table but outside its budget layout and its load counts.
+    from actors.engine.moe.budget import ExpertBudgets
+    from actors.engine.moe.control import install_moe_control
+
+    def served(spec: SpecConfig):
+        e = engine(tiny_moe_dir, spec)
+        control = install_moe_control(e, ExpertBudgets(default=2))
+        return run(e, GREEDY), e, control
+
+    want, _, plain = served(SpecConfig())
+    got, e, control = served(SPECS[name])
+    assert got == want
+    assert e.stats().num_spec_steps > 0
+    assert control.report().num_budgeted_requests == plain.report().num_budgeted_requests > 0
