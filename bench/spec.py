@@ -15,7 +15,9 @@ times per cell and the figures pool the passes.
 - TPOT per request: (time of its last token - time of its first) / (output tokens - 1); mean and P99;
 - acceptance: accepted / drafted tokens (RequestOutput's running totals at the end of each request);
   spec steps: the engine's steps that verified drafts (EngineStats.num_spec_steps);
-- mismatches: requests whose greedy tokens differ from the `off` engine's at the same B (a bug).
+- mismatches: requests whose greedy tokens differ from the `off` engine's at the same B, with the
+  first differing position and the `off` engine's top-2 logprob gap there (rerun alone): ~0 is a
+  near tie flipped by rounding (bf16), a large gap a bug.
 `speedup_bB` = decode tokens/s with the method / without, same run. Targets of issue 23 are
 printed beside the figures; nothing is asserted. Exit status 1 when any greedy output differs.
 
@@ -172,6 +174,23 @@ def mismatches(got: list[Finished], want: list[Finished], prompts: Sequence[Prom
     return out
 
 
+def baseline_margin(engine: Engine, prompt: Prompt, position: int, tag: str) -> float | None:
+    """Logprob gap between the two likeliest tokens at `position` of the prompt's greedy output, run
+    alone again on the engine without speculation. About 0: a near tie, which a rounding difference
+    can flip (bf16 forwards of other shapes, such as a verification's, round differently); large: a bug."""
+    params = SamplingParams(max_tokens=position + 1, temperature=0.0, logprobs=2)
+    engine.add_request(tag, list(prompt.token_ids), params)
+    logprobs = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            logprobs += o.logprobs
+    lp = logprobs[position] if position < len(logprobs) else None
+    if lp is None or len(lp.top) < 2:
+        return None
+    first, second = sorted((v for _, v in lp.top), reverse=True)[:2]
+    return first - second
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
@@ -199,8 +218,10 @@ def bench_workload(wl: Workload, engines: dict[str, Engine], args: argparse.Name
             for m in runs:
                 runs[m].append(run_cell(engines[m], prompts, b, args.max_tokens, f"{wl.name}-{m}-b{b}-r{r}"))
             for m in args.methods:
-                found[m] += [{**x, "repeat": r} for x in mismatches(runs[m][-1].finished, runs[OFF][-1].finished,
-                                                                     prompts)]
+                for x in mismatches(runs[m][-1].finished, runs[OFF][-1].finished, prompts):
+                    tag = f"{wl.name}-{m}-b{b}-r{r}-margin-{x['prompt']}"
+                    found[m].append({**x, "repeat": r, "baseline_top2_margin": baseline_margin(
+                        engines[OFF], prompts[x["prompt"]], x["position"], tag)})
         off[f"b{b}"] = cell_figures(runs[OFF])
         outputs += [len(f.token_ids) for f in runs[OFF][0].finished]
         for m in args.methods:
@@ -304,6 +325,14 @@ def render(figures: dict[str, Any]) -> str:
               f"{figures['dtype']} (greedy; speedup: tok/s vs {OFF}, same run)"))
     lines = [f"target {t['name']} >= {t['min']:.2f}x: {t['value']:.2f}x, {'met' if t['met'] else 'NOT met'}"
              for t in figures["targets"]]
+    for name, w in wls.items():
+        for m, fig in w["methods"].items():
+            for b, cell in fig["batches"].items():
+                for x in cell["mismatch_list"]:
+                    gap = x["baseline_top2_margin"]
+                    lines.append(f"mismatch: {name} {b} {m}, prompt {x['prompt']} {x['source'] or ''}".rstrip()
+                                 + f", from output token {x['position']}; off's top-2 logprob gap there "
+                                 + ("unknown" if gap is None else f"{gap:.3f}"))
     lines.append("greedy outputs identical to off: " + (
         "yes" if figures["greedy_identical"] else f"NO, {figures['mismatches']} requests differ (see --json)"))
     c = figures["config"]

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import write_tiny_model
 from actors.engine.tokenizer import Tokenizer
 from bench import spec
@@ -85,6 +88,16 @@ def test_mismatches_name_the_prompt_and_first_differing_position() -> None:
     assert spec.mismatches(base, base, prompts) == []
     assert done(5, 6, 7).tpot_s == 0.5 and done(5).tpot_s is None
     assert [spec.num_requests(b, 2) for b in (1, 4, 16)] == [2, 4, 16] and spec.num_requests(4, 6) == 8
+
+
+def test_baseline_margin_is_the_top2_gap_at_the_position(tiny_model_dir: Path, token_text: TokenText) -> None:
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(device="cpu", dtype="float32"))
+    prompt = build_workloads(token_text, ["chat"], 1, 100)[0].prompts[0]
+    (out,) = engine.generate([prompt.token_ids], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2,
+                                                                 ignore_eos=True))
+    top = sorted((v for _, v in out.logprobs[-1].top), reverse=True)  # the 4th token's (one per step)
+    assert spec.baseline_margin(engine, prompt, 3, "m") == pytest.approx(top[0] - top[1], abs=1e-6)
+    assert top[0] - top[1] >= 0
 
 
 @pytest.mark.slow
