@@ -7,8 +7,8 @@ pay). One engine per method (`off` and each of `--methods`) is loaded up front; 
 and batch size B (`--batches`) every engine runs the same prompts, one after the other, so load
 from other users of a shared box hits them alike. At batch B the engine takes max(B,
 `--min-requests`) prompts (rounded up to whole waves of B), a wave of B at a time, greedy, up to
-`--max-tokens` output tokens each, stopping at EOS; with `--repeats N` the engines take turns N
-times per cell and the figures pool the passes.
+`--max-tokens` output tokens each, stopping at EOS. The engines take turns `--repeats` times per
+cell (2; which goes first rotates, so no method always runs first) and the figures pool the passes.
 - decode tokens/s: tokens emitted once every request of the wave has its first token, divided by
   the time from then to the wave's end (bench/engine.py's window: prefill stays out of it), summed
   over waves;
@@ -24,7 +24,7 @@ printed beside the figures; nothing is asserted. Exit status 1 when any greedy o
     python -m bench.spec [--model smollm2|random-smollm2|PATH] [--device auto|cpu|cuda] [--dtype auto]
         [--batches 1,4,16] [--methods ngram,early_exit] [--workloads code_edit,summarize,chat]
         [--max-tokens 128] [--max-source-tokens 1300] [--max-draft-tokens 4] [--policy auto]
-        [--min-requests 2] [--repeats 1] [--threads N] [--quick] [--json]
+        [--min-requests 2] [--repeats 2] [--threads N] [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ OFF = "off"
 MAX_MODEL_LEN = 2048  # the longest prompt (~1,350 tokens) + output fits
 BATCH_TOKENS = 2048  # per-step token budget: a few long prompts prefill per step
 WARMUP_TOKENS = 8
-QUICK = {"max_tokens": 16, "max_source_tokens": 96, "min_requests": 1}  # --quick: the test's size
+QUICK = {"max_tokens": 16, "max_source_tokens": 96, "min_requests": 1, "repeats": 1}  # --quick: the test's size
 # Issue 23's targets: (method, workload, batch, minimum speedup)
 TARGETS = (("ngram", "code_edit", 1, 1.5), ("ngram", "code_edit", 16, 0.95))
 
@@ -212,10 +212,11 @@ def bench_workload(wl: Workload, engines: dict[str, Engine], args: argparse.Name
         prompts = wl.prompts[:num_requests(b, args.min_requests)]
         runs: dict[str, list[CellRun]] = {m: [] for m in [OFF, *args.methods]}
         found: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+        order = list(runs)
         for r in range(args.repeats):  # engines take turns, so that a burst of load hits one repeat of each
             progress(f"{wl.name} B={b}: {len(prompts)} requests, repeat {r + 1}/{args.repeats} "
                      f"({time.perf_counter() - args.t_start:.0f} s)")
-            for m in runs:
+            for m in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates per repeat
                 runs[m].append(run_cell(engines[m], prompts, b, args.max_tokens, f"{wl.name}-{m}-b{b}-r{r}"))
             for m in args.methods:
                 for x in mismatches(runs[m][-1].finished, runs[OFF][-1].finished, prompts):
@@ -358,16 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["auto", "always"], default="auto",
                    help="auto: the engine drafts where its step-time model says it pays; always: every row drafts")
     p.add_argument("--min-requests", type=int, default=2, help="at least this many requests per batch size")
-    p.add_argument("--repeats", type=int, default=1, help="passes of every engine over each cell, taking turns")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="passes of every engine over each cell, taking turns (the first to go rotates)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK['max_tokens']} output tokens, sources of {QUICK['max_source_tokens']} "
-                        f"tokens, {QUICK['min_requests']} request per batch size at least")
+                        f"tokens, {QUICK['min_requests']} request per batch size at least, one pass (unless given)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    if p.parse_args(argv).quick:  # its sizes become the defaults: flags given still win
+        p.set_defaults(**QUICK)
     args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
     if OFF in args.methods or not args.methods or min(args.batches, default=0) < 1 or args.max_tokens < 2 \
             or args.repeats < 1:
         p.error(f"--methods: speculation methods besides {OFF}; --batches and --repeats positive; --max-tokens >= 2")
