@@ -24,7 +24,7 @@ printed beside the figures; nothing is asserted. Exit status 1 when any greedy o
     python -m bench.spec [--model smollm2|random-smollm2|PATH] [--device auto|cpu|cuda] [--dtype auto]
         [--batches 1,4,16] [--methods ngram,early_exit] [--workloads code_edit,summarize,chat]
         [--max-tokens 128] [--max-source-tokens 1300] [--max-draft-tokens 4] [--policy auto]
-        [--min-requests 2] [--repeats 2] [--threads N] [--quick] [--json]
+        [--exit-layer L] [--min-requests 2] [--repeats 2] [--threads N] [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def make_engine(model: Path, method: str, args: argparse.Namespace) -> Engine:
                        max_num_batched_tokens=BATCH_TOKENS, kv_cache_bytes=CPU_KV_CACHE_BYTES,
                        max_model_len=MAX_MODEL_LEN,
                        speculation=SpecConfig(method=method, max_draft_tokens=args.max_draft_tokens,
-                                              policy=args.policy))
+                                              policy=args.policy, exit_layer=args.exit_layer))
     return Engine.from_pretrained(model, cfg)
 
 
@@ -282,8 +282,8 @@ def bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         "dtype": eng.cfg.dtype, "torch_threads": torch.get_num_threads(),
         "config": {"batches": args.batches, "methods": args.methods, "max_tokens": args.max_tokens,
                    "max_source_tokens": args.max_source_tokens, "max_draft_tokens": args.max_draft_tokens,
-                   "policy": args.policy, "min_requests": args.min_requests, "repeats": args.repeats,
-                   "quick": args.quick},
+                   "policy": args.policy, "exit_layer": args.exit_layer, "min_requests": args.min_requests,
+                   "repeats": args.repeats, "quick": args.quick},
         "workloads": {w.name: bench_workload(w, engines, args) for w in workloads},
     }
     figures["mismatches"] = sum(m["mismatches"] for w in figures["workloads"].values() for m in w["methods"].values())
@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-source-tokens", type=int, default=1300, help="clip each source text to this many tokens")
     p.add_argument("--max-draft-tokens", type=int, default=4)
+    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers of the draft (default half)")
     p.add_argument("--policy", choices=["auto", "always"], default="auto",
                    help="auto: the engine drafts where its step-time model says it pays; always: every row drafts")
     p.add_argument("--min-requests", type=int, default=2, help="at least this many requests per batch size")
