@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from actors.engine.async_engine import AsyncEngine
 from actors.messages import GenerationRequest, TokenEvent, WorkerKind, WorkerLoad
+from actors.moe_handoff import apply_request_budget
 from actors.telemetry import ReportsTelemetry
 
 
@@ -53,6 +54,7 @@ class ColocatedWorker(ReportsTelemetry):
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Streams the request's deltas; bad input raises before the first one. Closing the
         iterator early aborts the request and frees its blocks."""
+        apply_request_budget(self.engine, req)  # its own expert budget, if any (MoE models)
         outputs = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params, req.engine_options())
         try:
             async for out in outputs:

@@ -7,6 +7,8 @@ Mental model, one request:
      False means "no room now": the caller tries another decode worker.
   2. The caller has a prefill worker send the KV to `transport_metadata()`'s endpoint; the
      `KVReceiver` writes each shard as it lands and commits the request after the last one.
+     An MoE request with an expert budget gets its prompt's expert choice from the prefill worker
+     just before its KV (`moe_handoff.py`); the receiver gives it to the engine before the commit.
   3. `generate_after_kv(request_id)` streams `TokenEvent`s (ids, text deltas, wall-clock time).
 A lease that passes first frees the blocks and fails the stream with `KVNotArrived`. Requests with
 nothing to hand over (1-token prompts, resumes) run whole here through `generate(req)`.
@@ -31,6 +33,7 @@ from actors.errors import RequestAborted, UnknownRequest
 from actors.kv_shadow import ShadowStats
 from actors.kv_receiver import KVReceiver, ReceiverStats
 from actors.messages import GenerationRequest, TokenEvent, WorkerLoad
+from actors.moe_handoff import apply_request_budget
 from actors.pool_link import PoolLink, PoolLinkStats
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
@@ -83,6 +86,7 @@ class DecodeWorker(ReportsTelemetry):
             block_ids = self.engine.between_steps(*args, num_kv_tokens=len(prompt) - 1)
         if block_ids is None:
             return False
+        apply_request_budget(self.engine, req)  # its expert choice comes with the KV (`moe_handoff.py`)
         if self.shadows is not None:
             self.shadows.track(req.request_id, req)
         # The stream exists before the KV can land, so no output of the commit is missed.

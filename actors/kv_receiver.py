@@ -31,6 +31,7 @@ import torch
 from actors.engine.async_engine import AsyncEngine
 from actors.errors import HandoffFailed, KVNotArrived, RequestAborted
 from actors.handoff import transfer_tag
+from actors.moe_handoff import choice_tag, decode_choice, forget_request, give_expert_choice
 from transfer.codec import Compression, DecodedShard, KVLayout, decode_shard
 from transfer.transport import Delivery, KVTransport, TransferError, TransferTimeout
 
@@ -45,6 +46,7 @@ class _Reservation:
     deadline: float  # time.monotonic()
     shards_seen: set[int] = field(default_factory=set)
     wire_bytes: int = 0
+    experts: list[list[int]] | None = None  # its expert choice, sent by the prefill worker before the KV
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class KVReceiver:
         self.poll_s = poll_s
         self._lock = threading.Lock()
         self._pending: dict[int, _Reservation] = {}
+        self._choices: dict[int, int] = {}  # MoE models: a pending request's choice tag -> its KV tag
         self._num_committed = self._num_expired = self._num_failed = self._num_dropped = 0
         self._wire_bytes = 0
         self._decode_s: dict[str, float] = {}
@@ -84,11 +87,13 @@ class KVReceiver:
             tag = transfer_tag(request_id)
             assert tag not in self._pending, f"{request_id} is already expected"
             self._pending[tag] = _Reservation(request_id, block_ids, time.monotonic() + lease_s)
+            if self.engine.engine.model_config.is_moe:
+                self._choices[choice_tag(request_id)] = tag
 
     def cancel(self, request_id: str, error: BaseException) -> bool:
         """Frees a pending reservation and fails its stream; False if it is not pending."""
         with self._lock:
-            res = self._pending.pop(transfer_tag(request_id), None)
+            res = self._pop(transfer_tag(request_id))
             if res is not None:
                 self._drop(res, error)
         return res is not None
@@ -111,6 +116,7 @@ class KVReceiver:
             for res in list(self._pending.values()):
                 self._drop(res, RequestAborted(f"{res.request_id}: decode worker closed"))
             self._pending.clear()
+            self._choices.clear()
 
     # ------------------------------------------------------------------------ receiver thread
     def _run(self) -> None:
@@ -147,6 +153,9 @@ class KVReceiver:
             writes: list[tuple[_Reservation, DecodedShard, int]] = []
             for d in batch:
                 res = self._pending.get(d.tag)
+                if res is None and d.tag in self._choices:
+                    self._take_choice(d)
+                    continue
                 if res is None:
                     self._num_dropped += 1
                     logger.info("%s: dropped a shard of unknown or expired tag %#x", self.transport.name, d.tag)
@@ -169,7 +178,7 @@ class KVReceiver:
             for res, outcome in self.engine.locked(self._write_and_commit, writes).items():
                 tag = transfer_tag(res.request_id)
                 if outcome == "committed":
-                    del self._pending[tag]
+                    self._pop(tag)
                     self._num_committed += 1
                     self._wire_bytes += res.wire_bytes
                 elif outcome == "gone":
@@ -194,6 +203,9 @@ class KVReceiver:
             res.shards_seen.add(shard.header.shard_index)
             res.wire_bytes += num_bytes
             if len(res.shards_seen) == shard.header.num_shards:
+                if res.experts is not None and not give_expert_choice(engine, res.request_id, res.experts):
+                    logger.warning("%s: expert choice of %s does not fit this model; it runs unrestricted",
+                                   self.transport.name, res.request_id)
                 engine.commit(res.request_id)
                 outcome[res] = "committed"
             else:
@@ -202,7 +214,7 @@ class KVReceiver:
 
     def _fail(self, tag: int, error: BaseException) -> None:
         # Caller holds _lock. A reservation may already have failed on an earlier shard.
-        res = self._pending.pop(tag, None)
+        res = self._pop(tag)
         if res is None:
             return
         self._num_failed += 1
@@ -212,7 +224,8 @@ class KVReceiver:
         with self._lock:
             expired = [tag for tag, res in self._pending.items() if res.deadline <= now]
             for tag in expired:
-                res = self._pending.pop(tag)
+                res = self._pending[tag]
+                self._pop(tag)
                 self._num_expired += 1
                 logger.warning("%s: KV of %s did not arrive within its lease (%d/? shards)",
                                self.transport.name, res.request_id, len(res.shards_seen))
@@ -220,8 +233,28 @@ class KVReceiver:
 
     def _drop(self, res: _Reservation, error: BaseException) -> None:
         # Caller holds _lock. Blocks first, so nothing reads or writes them once the stream fails.
-        self.engine.locked(self.engine.engine.cancel_reservation, res.request_id)
+        self.engine.locked(self._cancel, res.request_id)
         self.engine.fail_stream(res.request_id, error)
+
+    def _cancel(self, request_id: str) -> None:
+        # Under the engine lock: the reservation's blocks, and its expert budget and choice.
+        self.engine.engine.cancel_reservation(request_id)
+        forget_request(self.engine.engine, request_id)
+
+    def _pop(self, tag: int) -> _Reservation | None:
+        # Caller holds _lock.
+        res = self._pending.pop(tag, None)
+        if res is not None and self._choices:
+            self._choices.pop(choice_tag(res.request_id), None)
+        return res
+
+    def _take_choice(self, d: Delivery) -> None:
+        # Caller holds _lock. A request's expert choice, landed before its KV: kept until its commit.
+        res = self._pending[self._choices[d.tag]]
+        try:
+            res.experts = decode_choice(d.data)
+        except ValueError as e:
+            logger.warning("%s: %s: %s; it runs unrestricted", self.transport.name, res.request_id, e)
 
 
 def _wait_for_device_reads(batch: list[Delivery]) -> None:

@@ -72,6 +72,9 @@ class GenerationRequest:
     # tenant's SLO); the engine speculates first for rows short of TPOT slack. None: no target.
     speculation: bool = True
     tpot_target_s: float | None = None
+    # MoE models: experts per layer its generated tokens may use, chosen from its prompt's routing
+    # (the caller's `x-ferry-expert-budget`; actors/moe_handoff.py). None: its tenant's budget, if any.
+    expert_budget: int | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object
@@ -89,6 +92,8 @@ class GenerationRequest:
             raise ValueError("max_chunk_tokens must be >= 1")
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise ValueError("tpot_target_s must be positive")
+        if self.expert_budget is not None and self.expert_budget < 1:
+            raise ValueError("expert_budget must be >= 1")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -41,6 +41,7 @@ from actors.handoff import (
 )
 from actors.kv_shadow import ShadowStats
 from actors.messages import GenerationRequest, PrefillResult, TokenEvent, WorkerLoad
+from actors.moe_handoff import apply_request_budget, choice_tag, encode_choice, take_expert_choice
 from actors.pool_link import PoolLink, PoolLinkStats, import_prefix
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
@@ -108,6 +109,7 @@ class PrefillWorker(ReportsTelemetry):
         num_local, num_pool = await self._call(import_prefix, self.engine, self.pool, reusable, req.tenant)
         looked_up = time.time()
 
+        apply_request_budget(self.engine, req)  # its own expert budget, if any (MoE models)
         final = None
         async for out in self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
                                               req.engine_options(prefill_only=True)):
@@ -146,7 +148,10 @@ class PrefillWorker(ReportsTelemetry):
 
     def _ship(self, req: GenerationRequest, hashes: list[BlockHash], decode_peer: str) -> tuple[torch.Tensor, Shipped]:
         n = num_handoff_blocks(req.num_prompt_tokens, self.layout.block_size)
-        kv = self.engine.locked(self._read_held, req.request_id, n)  # [L, 2, n, bs, Hkv, D], a copy
+        kv, experts = self.engine.locked(self._read_held, req, n)  # [L, 2, n, bs, Hkv, D], a copy
+        if experts is not None:  # an MoE request with an expert budget: its choice lands before its KV
+            self.transport.send(decode_peer, [encode_choice(experts)], tag=choice_tag(req.request_id),
+                                timeout_s=self.cfg.transfer_timeout_s)
         zero_stale_tail(kv, req.num_prompt_tokens, self.layout.block_size)
         tag, raw_bytes = transfer_tag(req.request_id), kv.numel() * kv.element_size()
         choice = self.codecs.choose(decode_peer, raw_bytes, self.cfg.codecs_for(req.tenant))
@@ -162,10 +167,10 @@ class PrefillWorker(ReportsTelemetry):
         actual_s = encode_s + sent.latency_s + self.codecs.decode_s(choice.codec, raw_bytes)
         return kv, Shipped(sent, choice, encode_s, actual_s)
 
-    def _read_held(self, request_id: str, num_blocks: int) -> torch.Tensor:
-        # Under the engine lock: one wait for both calls.
-        block_ids, _ = self._engine.held_kv(request_id)
-        return self._engine.runner.read_blocks(block_ids[:num_blocks])
+    def _read_held(self, req: GenerationRequest, num_blocks: int) -> tuple[torch.Tensor, list[list[int]] | None]:
+        # Under the engine lock: one wait for the blocks and the expert choice (`moe_handoff.py`).
+        block_ids, _ = self._engine.held_kv(req.request_id)
+        return self._engine.runner.read_blocks(block_ids[:num_blocks]), take_expert_choice(self._engine, req)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Runs a request whole here, decode included (a dead decode worker's stream, lent)."""

@@ -22,6 +22,7 @@ from actors.engine.async_engine import AsyncEngine
 from actors.handoff import num_reusable_blocks, prompt_block_hashes
 from actors.kv_shadow import KVShadows, Resume, ShadowStats
 from actors.messages import GenerationRequest, TokenEvent
+from actors.moe_handoff import apply_request_budget
 from actors.pool_link import PoolLink, import_prefix
 
 
@@ -56,6 +57,7 @@ class WholeRuns:
         """Runs a resumed request from its verified shadow blocks; only the tail is computed."""
         assert self.shadows is not None
         self.shadows.track(req.request_id, req, num_in_pool=saved.num_blocks, partial=saved.partial)
+        apply_request_budget(self.engine, req)  # its own expert budget, if any (MoE models)
         outputs = self.engine.resume(req.request_id, list(req.prompt_token_ids), req.params, saved.kv,
                                      req.engine_options(), saved.num_tokens)
         try:

@@ -28,6 +28,7 @@ from cluster.router.choice import NoWorkers, PlacementRefused
 from cluster.router.client import Router
 from deploy.openai.backend import Refused
 from deploy.openai.errors import ApiError
+from deploy.openai.expert_budget import requested_expert_budget
 from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 from deploy.pool_source import PoolSource
@@ -40,8 +41,11 @@ POOL_HEALTH_TIMEOUT_S = 3.0
 
 class ClusterBackend:
     def __init__(self, client: Router, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 *, timeline_capacity: int = 1024, pool: PoolSource | None = None) -> None:
+                 *, timeline_capacity: int = 1024, pool: PoolSource | None = None,
+                 num_experts: int | None = None) -> None:
         self.client = client
+        # Experts per MoE layer (0: dense; None: not known here): the bound of x-ferry-expert-budget.
+        self.num_experts = num_experts
         self.pool = pool  # the prefix-cache pool's stores, for /health's prefix_pool section
         self._tokenizer = tokenizer
         self._model_name = model_name
@@ -63,7 +67,8 @@ class ClusterBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
         req = GenerationRequest(request_id, tuple(prompt_token_ids), params, tenant=tenant, arrival_time=time.time(),
-                                speculation=requested_speculation())  # the router adds the tenant's say
+                                speculation=requested_speculation(),  # the router adds the tenant's say
+                                expert_budget=requested_expert_budget())
         trace = self.timelines.open(request_id, tenant)
         started = finished = False
         try:

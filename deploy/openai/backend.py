@@ -21,6 +21,8 @@ from actors.engine.sampling import SamplingParams
 from actors.colocated import process_rss_bytes
 from actors.engine.tokenizer import Tokenizer
 from actors.messages import mib_or_none, spec_report
+from actors.moe_handoff import budget_tracker
+from deploy.openai.expert_budget import requested_expert_budget
 from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 
@@ -58,7 +60,9 @@ class Backend(Protocol):
       caller (anyio cancels level-triggered) may not let a later await finish. The `tenant`
       decides cache isolation and budgets; request ids are unique (the app makes them). Whether
       the caller allows speculative decoding (`x-ferry-speculation`) is
-      `deploy.openai.speculation.requested_speculation()` when `generate` is first iterated.
+      `deploy.openai.speculation.requested_speculation()` when `generate` is first iterated; its
+      expert budget (`x-ferry-expert-budget`, MoE models) is `expert_budget.requested_expert_budget()`.
+      A backend that knows its model's experts per layer says so as `num_experts` (0: dense).
     - `health()` returns a JSON-able dict with `"healthy": bool` and any detail; raising or
       taking longer than the app's deadline counts as unhealthy.
     - Optional `timeline(request_id) -> dict | None`: the token-level latency breakdown of a
@@ -114,12 +118,21 @@ class EngineBackend:
         return self.async_engine.engine.max_model_len
 
     @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0: a dense model): the bound of `x-ferry-expert-budget`."""
+        return self.async_engine.engine.model_config.num_experts
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.async_engine.engine.tokenizer
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        tenant: str) -> AsyncGenerator[RequestOutput, None]:
         trace = self.timelines.open(request_id, tenant)
+        budget = requested_expert_budget()  # the caller's x-ferry-expert-budget (MoE models)
+        tracker = None if budget is None else budget_tracker(self.async_engine.engine)
+        if tracker is not None:
+            tracker.set_request_budget(request_id, budget)
         stream: AsyncIterator[RequestOutput] = self.async_engine.generate(
             request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant), tenant=tenant,
                                                                  speculation=requested_speculation()))

@@ -12,7 +12,8 @@ leaks nothing.
 Scope state written here: `request_hex` (the id's random part; endpoints name their requests
 `cmpl-<hex>` / `chatcmpl-<hex>` and store that in `request_id`), `request_id`, `tenant`, and
 `speculation` (the `x-ferry-speculation` header: speculation.py; an unknown value is a 400), which
-is also set for the request's task (`speculation.requested_speculation()`).
+is also set for the request's task (`speculation.requested_speculation()`), and `expert_budget` (the
+`x-ferry-expert-budget` header: expert_budget.py; not a whole number >= 1 is a 400), set likewise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deploy.openai import speculation
+from deploy.openai import expert_budget, speculation
 from deploy.openai.config import ApiConfig
 from deploy.openai.errors import ApiError, internal_error
 
@@ -68,12 +69,16 @@ class Gate:
             # The caller's say on speculative decoding, for the backend building the engine request.
             state["speculation"] = allowed = _speculation(headers) if is_api else True
             token = speculation.request_speculation(allowed)
+            # The caller's expert budget (MoE models), carried on the engine request to the workers.
+            state["expert_budget"] = budget = _expert_budget(headers) if is_api else None
+            budget_token = expert_budget.request_expert_budget(budget)
             try:
                 if scope["method"] in _BODY_METHODS:
                     receive = await self._buffered(headers, receive)
                     scope["headers"] = _as_json(scope["headers"])
                 await self.app(scope, receive, send_with_id)
             finally:
+                expert_budget.reset(budget_token)
                 speculation.reset(token)
         except _ClientGone:
             return
@@ -155,6 +160,14 @@ def _speculation(headers: Headers) -> bool:
                             "decoding for this request) or 'auto' (the engine decides).",
                        param=speculation.HEADER, code="invalid_header")
     return allowed
+
+
+def _expert_budget(headers: Headers) -> int | None:
+    values = headers.getlist(expert_budget.HEADER)
+    try:
+        return expert_budget.parse_expert_budget(values[-1] if values else None)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=expert_budget.HEADER, code="invalid_header") from None
 
 
 def _too_large(size: str, limit: int) -> ApiError:

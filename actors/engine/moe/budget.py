@@ -150,6 +150,18 @@ class BudgetTracker:
             chosen[layer, ids] = True
         self._chosen[request_id] = chosen
 
+    def fits(self, experts: list[list[int]]) -> bool:
+        """Whether `experts` is a choice this tracker can take: per layer, at least top-k distinct
+        experts in range."""
+        return len(experts) == self.num_layers and all(
+            len(set(e)) >= self.top_k and all(0 <= i < self.num_experts for i in e) for e in experts)
+
+    def forget(self, request_id: str) -> None:
+        """Drops a request's budget, mass and choice now (one no step will carry: its handoff failed)."""
+        self._seen.discard(request_id)
+        for d in (self._mass, self._chosen, self._by_request):
+            d.pop(request_id, None)
+
     def experts_of(self, request_id: str) -> list[list[int]] | None:
         """The request's experts per layer, once chosen."""
         chosen = self._chosen.get(request_id)

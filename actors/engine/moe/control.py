@@ -140,8 +140,14 @@ def install_moe_control(engine: Any, budgets: ExpertBudgets | None = None) -> Mo
     def prepare_step():  # type: ignore[no-untyped-def]  # MoE HOOK: see the module docstring
         prepared = inner()
         if prepared is not None:
-            control.begin_step(prepared.batch.requests, prepared.chunks, lambda: set(engine.requests))
+            control.begin_step(prepared.batch.requests, prepared.chunks, lambda: _live(engine))
         return prepared
 
     engine.prepare_step = prepare_step
     return control
+
+
+def _live(engine: Any) -> set[str]:
+    # Running and waiting requests, and prefilled ones whose KV is still held: a prefill worker
+    # takes a held request's expert choice (`BudgetTracker.take_choice`) when it ships the KV.
+    return set(engine.requests) | set(getattr(engine, "_held", ()))
