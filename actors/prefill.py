@@ -41,7 +41,9 @@ from actors.handoff import (
 )
 from actors.kv_shadow import ShadowStats
 from actors.messages import GenerationRequest, PrefillResult, TokenEvent, WorkerLoad
-from actors.moe_handoff import apply_request_budget, choice_tag, encode_choice, take_expert_choice
+from actors.moe_handoff import (
+    apply_request_budget, choice_tag, encode_choice, forget_request, take_expert_choice,
+)
 from actors.pool_link import PoolLink, PoolLinkStats, import_prefix
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.telemetry import ReportsTelemetry
@@ -111,9 +113,14 @@ class PrefillWorker(ReportsTelemetry):
 
         apply_request_budget(self.engine, req)  # its own expert budget, if any (MoE models)
         final = None
-        async for out in self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
-                                              req.engine_options(prefill_only=True)):
-            final = out
+        try:
+            async for out in self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params,
+                                                  req.engine_options(prefill_only=True)):
+                final = out
+        except BaseException:
+            if req.expert_budget is not None:  # refused before any step: no step would ever drop it
+                await self._call(self.engine.locked, forget_request, self._engine, req.request_id)
+            raise
         assert final is not None and final.finish_reason == "prefilled", final
         computed = time.time()
         try:

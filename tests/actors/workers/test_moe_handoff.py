@@ -209,6 +209,11 @@ def test_a_failed_handoff_leaves_no_budget_or_choice_behind(cluster: Cluster) ->
         assert res.experts is None
         assert await c.decode.abort(rid)
         assert c.decode_budget.budget_of(rid, req.tenant) is None and choice_tag(rid) not in receiver._choices
+        # A prefill the engine refuses (a token past the vocabulary) forgets its budget too.
+        bad = GenerationRequest(f"bad-{rid}", [*prompt(4), 10_000], GREEDY, expert_budget=2)
+        with pytest.raises(Exception):
+            await c.prefill.prefill(bad, c.decode.name)
+        assert c.controls[1].budget.budget_of(bad.request_id, bad.tenant) is None
 
     asyncio.run(main())
 
