@@ -64,7 +64,7 @@ class SpeculationSection(ConfigSection):
     their measured acceptance and TPOT slack; nothing when the batch is compute-bound)."""
 
     method: Literal["off", "ngram", "early_exit", "draft"] = Field(
-        "off", description="off; ngram, drafts looked up in the request's own tokens (prompt lookup: free, "
+        "ngram", description="ngram (the default: the engine drafts only where it pays); off; ngram, drafts looked up in the request's own tokens (prompt lookup: free, "
                            "pays on inputs that repeat: code edits, summaries, RAG); early_exit, the model's "
                            "first exit_layer layers draft; draft, a separate small model (draft_model) with "
                            "the same vocabulary drafts")

@@ -14,9 +14,12 @@ from deploy.config import ConfigError, load_config
 from deploy.scheduler_config import SchedulerSection
 
 
-def test_speculation_is_off_by_default() -> None:
+def test_the_app_speculates_by_ngram_by_default() -> None:
+    # The engine's own default is off (a bare Engine); the app's is n-gram lookup under the auto
+    # policy, which drafts only where it pays (README: Speculative decoding, bench.serve figures).
     engine = load_config({}).to_engine_config()
-    assert engine.speculation == SpecConfig() and engine.speculation.method == "off"
+    assert engine.speculation == SpecConfig(method="ngram") and engine.speculation.policy == "auto"
+    assert SpecConfig().method == "off"
 
 
 def test_every_field_of_the_block_maps_to_the_engines_spec_config(tmp_path: Path) -> None:
