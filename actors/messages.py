@@ -154,6 +154,9 @@ class PrefillResult:
     kv_encode_s: float = 0.0
     kv_send_s: float = 0.0
     kv_codec_predictions: tuple[tuple[str, float], ...] = ()
+    # MoE models, a request with an expert budget: the experts per layer chosen from its prompt
+    # here and sent to the decode worker ahead of the KV (actors/moe_handoff.py); None otherwise.
+    expert_choice: tuple[tuple[int, ...], ...] | None = None
 
 
 def spec_report(method: str, num_draft_tokens: int, num_accepted_tokens: int, num_spec_rounds: int) -> dict[str, object]:

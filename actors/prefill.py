@@ -66,6 +66,7 @@ class Shipped:
     choice: CodecChoice
     encode_s: float
     actual_s: float  # the decode term is the chooser's prediction: the receiver decodes after the send
+    experts: list[list[int]] | None = None  # the expert choice sent ahead of the KV (MoE, budgeted)
 
 
 class PrefillWorker(ReportsTelemetry):
@@ -141,6 +142,7 @@ class PrefillWorker(ReportsTelemetry):
             kv_codec_predicted_s=choice.chosen_predicted_s, kv_codec_actual_s=shipped_kv.actual_s,
             kv_encode_s=shipped_kv.encode_s, kv_send_s=sent.latency_s,
             kv_codec_predictions=tuple(choice.predicted_s.items()),
+            expert_choice=None if shipped_kv.experts is None else tuple(map(tuple, shipped_kv.experts)),
         )
 
     async def prefetch(self, req: GenerationRequest) -> None:
@@ -172,7 +174,7 @@ class PrefillWorker(ReportsTelemetry):
         sent = self.transport.send(decode_peer, shards, tag=tag, timeout_s=self.cfg.transfer_timeout_s)
         self.codecs.record(decode_peer, choice.codec, raw_bytes, sent.wire_bytes, encode_s, sent.latency_s)
         actual_s = encode_s + sent.latency_s + self.codecs.decode_s(choice.codec, raw_bytes)
-        return kv, Shipped(sent, choice, encode_s, actual_s)
+        return kv, Shipped(sent, choice, encode_s, actual_s, experts)
 
     def _read_held(self, req: GenerationRequest, num_blocks: int) -> tuple[torch.Tensor, list[list[int]] | None]:
         # Under the engine lock: one wait for the blocks and the expert choice (`moe_handoff.py`).

@@ -116,8 +116,10 @@ def test_a_budgeted_request_decodes_in_pd_as_colocated_with_the_experts_of_its_p
             req = GenerationRequest(rid, prompt(i), GREEDY, expert_budget=2)
             decode_routes.clear()
             pd = await via_router(c, req)
-            assert c.router.prefill_result(rid) is not None  # handed off, not prefilled by the decode worker
+            result = c.router.prefill_result(rid)
+            assert result is not None  # handed off, not prefilled by the decode worker
             given = c.decode_budget.experts_of(rid)
+            assert given is not None and result.expert_choice == tuple(map(tuple, given))
             alone = await colocated(c, GenerationRequest(rid, prompt(i), GREEDY, expert_budget=2))
             assert given is not None and all(len(e) == 2 for e in given)
             assert given == c.controls[2].budget.experts_of(rid)  # the prompt's experts, as colocated chose them
@@ -141,6 +143,7 @@ def test_a_request_without_a_budget_runs_unrestricted(cluster: Cluster) -> None:
         rid = f"free-{uuid.uuid4().hex[:6]}"
         pd = await via_router(c, GenerationRequest(rid, prompt(7), GREEDY))
         assert c.decode_budget.experts_of(rid) is None and c.controls[1].budget.experts_of(rid) is None
+        assert c.router.prefill_result(rid).expert_choice is None  # type: ignore[union-attr]
         assert pd == await colocated(c, GenerationRequest(rid, prompt(7), GREEDY))
         assert c.controls[2].budget.experts_of(rid) is None
         # The budget is the request's: a resume (the router's recovery copy) keeps it.
