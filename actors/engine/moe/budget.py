@@ -5,8 +5,11 @@ routing mass of its prompt tokens (the sum of their router probabilities, per la
 Once the prompt is done, its B experts of most mass per layer are fixed, and every later token of
 the request (positions past the prompt) chooses its top-k among those B only; the prompt's own
 tokens are never restricted. Fewer distinct experts per step means fewer expert weights read and
-fewer expert calls when many requests of a batch favour the same few. A request resumed from KV
-computed elsewhere (no prompt seen here) runs unrestricted.
+fewer expert calls when many requests of a batch favour the same few. A resume that recomputes its
+prompt and its tokens so far (a recovery) has those tokens, which share the prompt's last chunk,
+choose per layer from the mass that layer has just gathered: the same experts, so it goes on as
+the first run would. A request resumed from KV computed elsewhere (no prompt seen here) runs
+unrestricted.
 
 Per step, `plan` gets the step's rows as `Segment`s in the order the runner lays tokens out; the
 layers then call `observe` (prompt rows add mass) and `allowed` (a [T, E] mask or None). Across a
@@ -67,6 +70,10 @@ class BudgetTracker:
         self._chosen: dict[str, torch.Tensor] = {}  # request -> [L, E] bool, its experts per layer
         self._seen: set[str] = set()  # requests a step has carried (their per-request budget may go)
         self._gather: list[tuple[str, int, int]] = []  # this step: (request, first row, end row) adding mass
+        # this step: (request, first row, end row, budget) of generated rows that follow the prompt's
+        # last rows in the same chunk (a resume recomputing its tokens): each layer chooses for them
+        # from the mass that layer has just gathered, as the next step would from the whole of it
+        self._late: list[tuple[str, int, int, int]] = []
         self._rows: torch.Tensor | None = None  # this step's restricted rows [R]
         self._masks: torch.Tensor | None = None  # [L, R, E] their allowed experts
 
@@ -87,7 +94,7 @@ class BudgetTracker:
 
     def plan(self, segments: Iterable[Segment], device: torch.device) -> None:
         """Lays out the next forward: which rows add prompt mass, which are restricted, to what."""
-        self._gather, rows, masks = [], [], []
+        self._gather, self._late, rows, masks = [], [], [], []
         for s in segments:
             self._seen.add(s.request_id)
             budget = self.budget_of(s.request_id, s.tenant)
@@ -98,6 +105,9 @@ class BudgetTracker:
                     self._mass[s.request_id] = torch.zeros(self.num_layers, self.num_experts, device=device)
                 self._gather.append((s.request_id, s.first_row, s.first_row + s.num_prompt_rows))
             generated = s.num_rows - s.num_prompt_rows
+            if budgeted and generated and chosen is None and s.num_prompt_rows:
+                self._late.append((s.request_id, s.first_row + s.num_prompt_rows, s.first_row + s.num_rows,
+                                   budget))  # type: ignore[arg-type]
             if budgeted and generated and chosen is None and s.request_id in self._mass and not s.num_prompt_rows:
                 chosen = self._choose(s.request_id, budget)  # type: ignore[arg-type]
             if chosen is not None and generated:
@@ -122,10 +132,17 @@ class BudgetTracker:
             self._mass[request_id][layer] += probs[start:end].sum(0)
 
     def allowed(self, layer: int, num_rows: int) -> torch.Tensor | None:
-        if self._rows is None or self._masks is None:
+        """[T, E] the experts each row may take at `layer`, or None: all. Call after this layer's
+        `observe` (the rows of a resume's recomputed tokens choose from the mass it added)."""
+        if (self._rows is None or self._masks is None) and not self._late:
             return None
-        mask = torch.ones(num_rows, self.num_experts, dtype=torch.bool, device=self._rows.device)
-        mask[self._rows] = self._masks[layer]
+        device = self._rows.device if self._rows is not None else next(iter(self._mass.values())).device
+        mask = torch.ones(num_rows, self.num_experts, dtype=torch.bool, device=device)
+        if self._rows is not None and self._masks is not None:
+            mask[self._rows] = self._masks[layer]
+        for request_id, start, end, budget in self._late:
+            mask[start:end] = False
+            mask[start:end, self._mass[request_id][layer].topk(budget).indices] = True
         return mask
 
     @property

@@ -77,11 +77,11 @@ class MoEControl:
             # an early-exit draft pass between the step's layout and its forward: the step's table
             # routes it, but no budget rows apply and it is not traffic to count
             return route(logits, self.top_k, bias, None)
+        if self.budget.wants_probs:  # before `allowed`: a resume's recomputed tokens choose from it
+            self.budget.observe(layer, torch.softmax(logits, dim=-1))
         top_w, top_e = route(logits, self.top_k, bias, self.budget.allowed(layer, logits.shape[0]))
         self.loads.add(layer, top_e)
         self.sample.add(layer, logits)
-        if self.budget.wants_probs:
-            self.budget.observe(layer, torch.softmax(logits, dim=-1))
         return top_w, top_e
 
     # --------------------------------------------------------------------------------- tables

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,8 +148,6 @@ def test_a_request_without_a_budget_runs_unrestricted(cluster: Cluster) -> None:
         assert pd == await colocated(c, GenerationRequest(rid, prompt(7), GREEDY))
         assert c.controls[2].budget.experts_of(rid) is None
         # The budget is the request's: a resume (the router's recovery copy) keeps it.
-        from dataclasses import replace
-
         budgeted = GenerationRequest(rid, prompt(7), GREEDY, expert_budget=3)
         assert replace(budgeted, output_token_ids=(1, 2)).expert_budget == 3
 
@@ -239,5 +238,26 @@ def test_the_callers_header_reaches_the_workers_through_the_cluster_backend(clus
             expert_budget.reset(token)
         assert len(out) == GREEDY.max_tokens
         assert c.decode_budget.experts_of(rid) == c.controls[1].budget.experts_of(rid) is not None
+
+    asyncio.run(main())
+
+
+def test_a_recovery_resume_keeps_the_budget_and_goes_on_as_the_first_run(cluster: Cluster) -> None:
+    """The router's resume copy (prompt + the tokens streamed so far, recomputed) on a worker that
+    never saw the request: its recomputed tokens take the prompt's experts in the same forward, so
+    the rest equals the uninterrupted budgeted run's."""
+    c = cluster
+
+    async def main() -> None:
+        await linked(c)
+        rid = f"rec-{uuid.uuid4().hex[:6]}"
+        first = await via_router(c, GenerationRequest(rid, prompt(5), GREEDY, expert_budget=2))
+        for k in (1, 4, 7):
+            # Its own cache salt: a prompt block cached by the previous resume would add no mass.
+            resumed = replace(GenerationRequest(f"{rid}~r{k}", prompt(5), GREEDY, expert_budget=2,
+                                                cache_salt=(f"resume-{k}",)), output_token_ids=tuple(first[:k]))
+            assert resumed.expert_budget == 2
+            assert await colocated(c, resumed) == first[k:]
+            assert c.controls[2].budget.experts_of(resumed.request_id) == c.decode_budget.experts_of(rid)
 
     asyncio.run(main())
