@@ -9,7 +9,9 @@ a wait per shard would cost a step per shard), and the requests whose last shard
 committed into the running batch in that same wait. Deliveries are released right after, so the
 senders' next shards get the room. The same loop expires reservations whose lease
 passed: their blocks are freed and their streams fail with `KVNotArrived`. Shards of an unknown
-tag (late, or of an expired or aborted request) are released and dropped. Each decode is timed, by codec
+tag (late, or of an expired or aborted request) are released and dropped. For MoE models, a delivery
+under a pending request's choice tag is its expert choice (`moe_handoff.py`, sent just before the
+KV): kept on the reservation and given to the engine's budget tracker right before the commit. Each decode is timed, by codec
 (`ReceiverStats.decode_s`): the receiving side's own share of a transfer's codec cost.
 
 Locking: `_lock` guards the reservations and is held across "find reservation -> write blocks ->

@@ -136,7 +136,7 @@ class BudgetTracker:
         `observe` (the rows of a resume's recomputed tokens choose from the mass it added)."""
         if (self._rows is None or self._masks is None) and not self._late:
             return None
-        device = self._rows.device if self._rows is not None else next(iter(self._mass.values())).device
+        device = self._rows.device if self._rows is not None else self._mass[self._late[0][0]].device
         mask = torch.ones(num_rows, self.num_experts, dtype=torch.bool, device=device)
         if self._rows is not None and self._masks is not None:
             mask[self._rows] = self._masks[layer]
