@@ -153,6 +153,8 @@ class EngineBackend:
             abort = None if finished else _detached(asyncio.to_thread(self.async_engine.abort, request_id))
             if not started:
                 self.timelines.discard(request_id)  # refused or cancelled before any output
+                if tracker is not None:  # a budget no step may ever carry (and so drop)
+                    tracker.set_request_budget(request_id, None)
             elif not finished:
                 trace.finish_reason = "abort"
             try:

@@ -1,6 +1,7 @@
 """The whole Serve app on a tiny random Mixtral (prefill and decode workers as deployments): the
 ingress starts the routing controller, both workers report expert loads in /health, a table set
-through /admin/routing reaches every worker, and the admin role keeps tenants out."""
+through /admin/routing reaches every worker, the admin role keeps tenants out, and a caller's
+`x-ferry-expert-budget` is checked against the model and reaches both workers."""
 
 from __future__ import annotations
 
@@ -70,3 +71,16 @@ def test_tables_reach_every_worker_and_loads_show_in_health(ray_cluster, tiny_mo
                                     httpx2.get(f"{url}/health", timeout=10).json()["moe"]["workers"].values()))
         bad = httpx2.put(f"{url}/admin/routing/{name}", headers=ADMIN, json={"bias": [[float("1e9")] * 4]}, timeout=10)
         assert bad.status_code == 400
+
+        # A caller's expert budget: over the model's 4 experts is a 400 naming the header; 2 is
+        # carried to both workers (the prefill worker chooses, the decode worker is given the choice).
+        def complete(budget: str) -> httpx2.Response:
+            return httpx2.post(f"{url}/v1/completions", headers={**TENANT, "x-ferry-expert-budget": budget},
+                               timeout=60, json={"model": name, "prompt": "The ferry leaves the harbor at noon",
+                                                 "max_tokens": 6, "temperature": 0})
+
+        over = complete("5")
+        assert over.status_code == 400 and over.json()["error"]["param"] == "x-ferry-expert-budget"
+        assert complete("2").status_code == 200
+        assert wait_for(lambda: all(w["budgeted_requests"] >= 1 for w in
+                                    httpx2.get(f"{url}/health", timeout=10).json()["moe"]["workers"].values()))
