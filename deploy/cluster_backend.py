@@ -102,6 +102,8 @@ class ClusterBackend:
                              "predicted_s": result.kv_codec_predicted_s, "actual_s": result.kv_codec_actual_s,
                              "encode_s": result.kv_encode_s, "send_s": result.kv_send_s,
                              "kv_raw_bytes": result.kv_raw_bytes, "predictions_s": dict(result.kv_codec_predictions)},
+                # MoE, a budgeted request: the experts per layer chosen from its prompt, sent to decode
+                "expert_choice": None if result.expert_choice is None else [list(e) for e in result.expert_choice],
             }
         return data
 

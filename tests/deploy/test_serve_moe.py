@@ -81,6 +81,10 @@ def test_tables_reach_every_worker_and_loads_show_in_health(ray_cluster, tiny_mo
 
         over = complete("5")
         assert over.status_code == 400 and over.json()["error"]["param"] == "x-ferry-expert-budget"
-        assert complete("2").status_code == 200
+        budgeted = complete("2")
+        assert budgeted.status_code == 200
+        timeline = httpx2.get(f"{url}/v1/requests/{budgeted.json()['id']}/timeline", headers=TENANT, timeout=10).json()
+        chosen = timeline["prefill"]["expert_choice"]  # taken by the prefill worker, sent ahead of the KV
+        assert len(chosen) == state["num_layers"] and all(len(e) == 2 for e in chosen)
         assert wait_for(lambda: all(w["budgeted_requests"] >= 1 for w in
                                     httpx2.get(f"{url}/health", timeout=10).json()["moe"]["workers"].values()))
