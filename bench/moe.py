@@ -46,6 +46,7 @@ from actors.engine.moe.routing_table import RoutingTable  # noqa: E402
 from actors.engine.moe.sync import RoutingSync  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from bench.common import format_table, progress, report  # noqa: E402
+from bench.moe_calibration import calibrate_head, margin_stats, real_yardstick  # noqa: E402
 from bench.moe_model import (dtype_token_change, next_token_argmax, random_prompts, skewed_moe_engine,  # noqa: E402
                              text_prompts)
 from cluster.moe.controller import ControllerConfig, RoutingController  # noqa: E402
@@ -75,9 +76,12 @@ def controller_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     make = text_prompts if args.prompts == "text" else random_prompts
     held_out = make(args.num_requests, args.prompt_len, seed=7)
     sequences = make(32, args.prompt_len + args.output_len, seed=99)
+    calibration = calibrate(engine, control, make, args)
     base_loads = served_loads(engine, control, held_out, args.output_len)
     ref = next_token_argmax(engine, control, sequences)
     bf16_change = dtype_token_change(engine, control, sequences, ref, torch.bfloat16)
+    calibration["calibrated"] = {"bf16_token_change": bf16_change, **margin_stats(
+        next_token_argmax(engine, control, sequences, with_logits=True))}
     rows = []
     for budget in args.quality_budgets:
         control.apply_table(RoutingTable.zeros(control.state.num_layers, control.state.num_experts,
@@ -103,7 +107,29 @@ def controller_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                      "max_abs_bias": float(control.state.active.tensor().abs().max()), "decisions": actions})
         progress(f"controller budget {budget}: imbalance {before_imb:.2f} -> {after_imb:.2f}, "
                  f"tokens changed {change:.3%}")
-    return {"rows": rows, "bf16_token_change": bf16_change, "positions": sum(map(len, ref))}
+    return {"rows": rows, "bf16_token_change": bf16_change, "positions": sum(map(len, ref)),
+            "calibration": calibration}
+
+
+def calibrate(engine: Any, control: MoEControl, make: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The random MoE's head made as confident as the real model's (bench/moe_calibration.py):
+    the real model's figures, the raw random model's, and the strength that matches them."""
+    fit = make(32, args.prompt_len + args.output_len, seed=55)  # not the sequences quality is scored on
+    raw_logits = next_token_argmax(engine, control, fit, with_logits=True)
+    raw = {"bf16_token_change": dtype_token_change(engine, control, fit, [x.argmax(-1) for x in raw_logits],
+                                                   torch.bfloat16), **margin_stats(raw_logits)}
+    out: dict[str, Any] = {"raw": raw, "real": None, "strength": 0.0}
+    if args.calibrate_to == "none":
+        return out
+    try:
+        target = float(args.calibrate_to)
+    except ValueError:
+        progress(f"calibration: measuring {args.calibrate_to} on real text")
+        out["real"] = real_yardstick(args.calibrate_to, args.real_sequences, args.real_length)
+        target = out["real"]["median_z_margin"]
+    out.update(calibrate_head(engine, control, fit, target, seed=0))
+    progress(f"calibration: head strength {out['strength']:.2f} for median z-margin {target:.3f}")
+    return out
 
 
 # -------------------------------------------------------------------------------------- swap
@@ -248,6 +274,20 @@ def render(f: dict[str, Any]) -> str:
             title="controller: live expert-load imbalance (max/mean, worst layer) and greedy-token change"))
         out.append(f"yardstick: the same model in bfloat16 instead of float32 changes "
                    f"{100 * c['bf16_token_change']:.2f}% of the {c['positions']} teacher-forced greedy tokens")
+        worst_before = max(r["imbalance_before"] for r in c["rows"])
+        out.append(f"a 2x cut of max/mean {worst_before:.2f} needs at least {100 * 2 * worst_before / 16:.1f}% of the "
+                   f"worst layer's tokens (top-2 of 8) to leave its hottest expert")
+        cal = c["calibration"]
+        named = [(f"{cal['real']['model']} (real, {cal['real']['positions']} positions)", cal["real"])] \
+            if cal["real"] else []
+        named += [("random MoE, raw head", cal["raw"]),
+                  (f"random MoE, calibrated (strength {cal['strength']:.2f})", cal["calibrated"])]
+        out.append(format_table(
+            ["model", "median z-margin", "p10 z-margin", "near ties", "median top-1 p", "bf16 tokens changed"],
+            [[name, r["median_z_margin"], r["p10_z_margin"], f"{100 * r['near_tie_share']:.1f}%",
+              r["median_top1_prob"], f"{100 * r['bf16_token_change']:.2f}%"] for name, r in named],
+            title="calibration: next-token confidence, teacher-forced (z-margin: top-1 minus top-2 logit over the "
+                  "logit std; near tie: z < 0.05)"))
     if "swap" in f:
         s = f["swap"]
         out.append(format_table(["requests", "all tokens", "replay identical", "steps", "swaps", "tables used",
@@ -276,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.99, 0.95, 0.9, 0.8, 0.6])
+    p.add_argument("--calibrate-to", default="smollm2",
+                   help="the controller part's random MoE is made as confident (median z-margin) as: a real model "
+                        "(measured on real text), a number (that median z-margin), or none (raw random model)")
+    p.add_argument("--real-sequences", type=int, default=24)
+    p.add_argument("--real-length", type=int, default=64)
     p.add_argument("--num-swaps", type=int, default=200)
     p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 4, 2])
     p.add_argument("--budget-experts", type=int, default=16)

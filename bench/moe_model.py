@@ -87,24 +87,25 @@ def _inputs_of(engine: Engine, layer: torch.nn.Module, prompts: list[list[int]])
 
 
 @torch.inference_mode()
-def next_token_argmax(engine: Engine, control: MoEControl, sequences: list[list[int]],
+def next_token_argmax(engine: Engine, control: MoEControl | None, sequences: list[list[int]],
                       with_logits: bool = False) -> list[torch.Tensor]:
     """Per sequence, the argmax next token at every position [n] (or the logits [n, V]),
-    teacher-forced, under the table in force, on a scratch cache."""
+    teacher-forced, under the table in force (`control` None: a dense model), on a scratch cache."""
     bs = engine.cfg.block_size
     longest = max(map(len, sequences))
     num_blocks = -(-longest // bs)
     runner = ModelRunner(engine.runner.model, num_blocks, bs, engine.runner.model_dtype)
     out = []
     for seq in sequences:
-        control.begin_step()
+        if control is not None:
+            control.begin_step()
         logits = runner.execute([SeqChunk(seq, 0, list(range(num_blocks)), True, num_logits=len(seq))])
         out.append(logits if with_logits else logits.argmax(-1))
     return out
 
 
 @torch.inference_mode()
-def dtype_token_change(engine: Engine, control: MoEControl, sequences: list[list[int]], ref: list[torch.Tensor],
+def dtype_token_change(engine: Engine, control: MoEControl | None, sequences: list[list[int]], ref: list[torch.Tensor],
                        dtype: torch.dtype) -> float:
     """The yardstick: the share of teacher-forced greedy tokens that change when the same model runs
     in `dtype` instead (the model is restored to its own weights afterwards)."""
