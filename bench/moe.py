@@ -9,7 +9,11 @@ in real MoE traffic). float32 on CPU, one torch thread. Three parts:
   all its updates together may not go under). Each round serves a batch of random prompts, syncs
   and ticks once. Reported: live expert-load imbalance (max/mean, worst layer) on the same held-out
   traffic before and after, its cut (ratio and excess over 1), and the greedy-token change: the
-  share of positions whose teacher-forced argmax next token differs from the unbiased model's.
+  share of positions whose teacher-forced argmax next token differs from the unbiased model's, the
+  share of positions per layer whose expert set the table moved, and tokens changed per row moved.
+  Its model's head is first made as confident as a real model's (bench/moe_calibration.py:
+  SmolLM2-135M's median top-1/top-2 z-margin on real text, `--calibrate-to`); both models' margins
+  and bf16-vs-float32 change rates are printed.
 - swap: tables swapped from another thread every few ms while an engine serves; requests finished
   with all their tokens, steps whose tokens a one-table-per-step replay reproduces, and how many
   steps after an apply call its table was first used (0: the next step to start; 1: after the step
@@ -47,8 +51,8 @@ from actors.engine.moe.sync import RoutingSync  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from bench.common import format_table, progress, report  # noqa: E402
 from bench.moe_calibration import calibrate_head, margin_stats, real_yardstick  # noqa: E402
-from bench.moe_model import (dtype_token_change, next_token_argmax, random_prompts, skewed_moe_engine,  # noqa: E402
-                             text_prompts)
+from bench.moe_model import (dtype_token_change, next_token_argmax, random_prompts, rows_moved,  # noqa: E402
+                             skewed_moe_engine, text_prompts)
 from cluster.moe.controller import ControllerConfig, RoutingController  # noqa: E402
 
 
@@ -100,10 +104,12 @@ def controller_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         sync.sync_once()
         after = served_loads(engine, control, held_out, args.output_len)
         change = changed_share(ref, next_token_argmax(engine, control, sequences))
+        moved = rows_moved(engine, control, sequences)
         before_imb, after_imb = worst(base_loads), worst(after)
         rows.append({"min_base_agreement": budget, "imbalance_before": before_imb, "imbalance_after": after_imb,
                      "cut_ratio": before_imb / after_imb, "cut_excess": (before_imb - 1) / max(after_imb - 1, 1e-9),
-                     "greedy_token_change": change, "table_version": control.state.active.version,
+                     "greedy_token_change": change, "rows_moved": moved,
+                     "tokens_changed_per_row_moved": change / max(statistics.fmean(moved), 1e-9), "table_version": control.state.active.version,
                      "max_abs_bias": float(control.state.active.tensor().abs().max()), "decisions": actions})
         progress(f"controller budget {budget}: imbalance {before_imb:.2f} -> {after_imb:.2f}, "
                  f"tokens changed {change:.3%}")
@@ -267,9 +273,10 @@ def render(f: dict[str, Any]) -> str:
         c = f["controller"]
         out.append(format_table(
             ["quality budget", "imbalance before", "after", "cut (ratio)", "cut (excess)", "tokens changed",
-             "|bias| max", "table"],
+             "rows moved per layer", "changed/moved", "|bias| max", "table"],
             [[r["min_base_agreement"], r["imbalance_before"], r["imbalance_after"], r["cut_ratio"], r["cut_excess"],
-              f"{100 * r['greedy_token_change']:.2f}%", r["max_abs_bias"], f"v{r['table_version']}"]
+              f"{100 * r['greedy_token_change']:.2f}%", " ".join(f"{100 * m:.1f}%" for m in r["rows_moved"]),
+              r["tokens_changed_per_row_moved"], r["max_abs_bias"], f"v{r['table_version']}"]
              for r in c["rows"]],
             title="controller: live expert-load imbalance (max/mean, worst layer) and greedy-token change"))
         out.append(f"yardstick: the same model in bfloat16 instead of float32 changes "
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-size", type=float, default=0.5)
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.99, 0.95, 0.9, 0.8, 0.6])
+                   default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.5])
     p.add_argument("--calibrate-to", default="smollm2",
                    help="the controller part's random MoE is made as confident (median z-margin) as: a real model "
                         "(measured on real text), a number (that median z-margin), or none (raw random model)")

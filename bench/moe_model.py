@@ -24,6 +24,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model_runner import ModelRunner, SeqChunk
 from actors.engine.moe.control import MoEControl, install_moe_control, moe_layers
+from actors.engine.moe.routing import route
 from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import CORPUS, train_tokenizer, write_tiny_model
 
@@ -122,3 +123,26 @@ def dtype_token_change(engine: Engine, control: MoEControl | None, sequences: li
         model.rope.reset_tables()
         engine.runner.model_dtype = own
     return 1 - sum(int((a == b).sum()) for a, b in zip(ref, new)) / sum(len(a) for a in ref)
+
+
+@torch.inference_mode()
+def rows_moved(engine: Engine, control: MoEControl, sequences: list[list[int]]) -> list[float]:
+    """Per MoE layer, the share of positions whose expert set under the table in force differs from
+    plain top-k on the same router inputs (the model's own, teacher-forced, under that table)."""
+    layers = moe_layers(engine.runner.model)
+    seen: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = [layer.register_forward_pre_hook(lambda _m, args, i=i: seen[i].append(args[0].clone()))
+               for i, layer in enumerate(layers)]
+    try:
+        next_token_argmax(engine, control, sequences)
+    finally:
+        for h in handles:
+            h.remove()
+    bias = control.state.active.tensor()
+    out = []
+    for layer, rows, b in zip(layers, seen, bias):
+        logits = layer.gate(torch.cat(rows)).float()
+        plain = route(logits, layer.top_k)[1].sort(-1).values
+        biased = route(logits, layer.top_k, b if b.any() else None)[1].sort(-1).values
+        out.append(float((plain != biased).any(-1).double().mean()))
+    return out

@@ -46,6 +46,7 @@ def test_every_part_reports(capsys: pytest.CaptureFixture[str]) -> None:
     assert swap["completed_all_tokens"] == swap["replay_identical"] == swap["requests"] == 4
     assert swap["versions_used"] > 1 and swap["lag_steps_max"] == 0
     [row] = f["controller"]["rows"]
+    assert len(row["rows_moved"]) == 2 and all(0 <= m <= 1 for m in row["rows_moved"])
     assert row["imbalance_before"] >= 1.0 and row["imbalance_after"] >= 1.0 and 0 <= row["greedy_token_change"] <= 1
     assert 0 < f["controller"]["bf16_token_change"] < 1
     cal = f["controller"]["calibration"]
