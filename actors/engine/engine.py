@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,9 @@ class Engine(KVExchange):
         self._last_step_s = 0.0
         self._num_forwarded_tokens = 0
         self._step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_KEPT)
+        # Called with each prepared step before its forward, on the engine thread (MoE routing
+        # control fixes the step's table and lays out its budget rows: actors/engine/moe/control.py).
+        self.step_hooks: list[Callable[[PreparedStep], None]] = []
 
     @classmethod
     def from_pretrained(cls, model: str | Path, cfg: EngineConfig | None = None) -> "Engine":
@@ -217,7 +221,10 @@ class Engine(KVExchange):
                 due.append(req)
         spec = self.spec.plan(batch, chunks, self.cfg.max_num_batched_tokens)
         self._executing = {r.request_id for r in batch.requests}
-        return PreparedStep(batch, chunks, due, time.perf_counter(), spec)
+        prepared = PreparedStep(batch, chunks, due, time.perf_counter(), spec)
+        for hook in self.step_hooks:
+            hook(prepared)
+        return prepared
 
     def finish_step(self, prepared: PreparedStep, logits: torch.Tensor) -> list[RequestOutput]:
         batch, due = prepared.batch, prepared.due

@@ -1,18 +1,13 @@
 """`MoEControl`: one model's routing state, loads, shadow sample and budgets, and the engine hook.
 
 Mental model: `install_moe_control(engine)` (a no-op for dense models) binds a `MoEControl` to every
-`SparseMoE` layer of the engine's model and wraps the engine's `prepare_step`, the one hook: after
-the scheduler has chosen a step and before its forward runs, `begin_step` fixes the routing table
+`SparseMoE` layer of the engine's model and adds one of the engine's `step_hooks`: after the
+scheduler has chosen a step and before its forward runs (both the plain `Engine.step` and
+`AsyncEngine`'s loop prepare every step on the engine thread), `begin_step` fixes the routing table
 the step uses (a table applied at any moment takes effect at the next step, never inside one) and
-lays out the step's rows per request for the expert budgets. Both the plain `Engine.step` and
-`AsyncEngine`'s loop call `prepare_step` on the engine thread before each forward, so the hook sees
-every step. Each layer then asks `route` for its experts: bias of the step's table (none in safe
-mode), budget mask, counters, sample.
-
-HOOK (for the engine's owner): the wrapper needs, per step, the scheduled requests
-(`PreparedStep.batch.requests`: `request_id`, `tenant`, `prompt_token_ids`) aligned with their
-`SeqChunk`s, and the runner's row layout (single-token chunks first, stable), mirrored in
-`_segments`. An explicit `Engine.prepare_step` callback with that data would replace the wrapper.
+lays out the step's rows per request for the expert budgets, in the runner's own row layout
+(`model_runner.attention_layout`). Each layer then asks `route` for its experts: bias of the step's
+table (none in safe mode), budget mask, counters, sample.
 """
 
 from __future__ import annotations
@@ -126,7 +121,7 @@ def moe_control_of(model: nn.Module) -> MoEControl | None:
 
 
 def install_moe_control(engine: Any, budgets: ExpertBudgets | None = None) -> MoEControl | None:
-    """Binds a `MoEControl` to `engine`'s model and hooks its `prepare_step`; None for a dense
+    """Binds a `MoEControl` to `engine`'s model and adds its step hook; None for a dense
     model. Installing twice returns the first control."""
     model = engine.runner.model
     if not model.cfg.is_moe:
@@ -135,15 +130,8 @@ def install_moe_control(engine: Any, budgets: ExpertBudgets | None = None) -> Mo
     if existing is not None:
         return existing
     control = MoEControl(model, budgets)
-    inner = engine.prepare_step
-
-    def prepare_step():  # type: ignore[no-untyped-def]  # MoE HOOK: see the module docstring
-        prepared = inner()
-        if prepared is not None:
-            control.begin_step(prepared.batch.requests, prepared.chunks, lambda: _live(engine))
-        return prepared
-
-    engine.prepare_step = prepare_step
+    engine.step_hooks.append(
+        lambda prepared: control.begin_step(prepared.batch.requests, prepared.chunks, lambda: _live(engine)))
     return control
 
 
