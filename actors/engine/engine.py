@@ -244,8 +244,8 @@ class Engine(KVExchange):
             self.kv.cache_computed_blocks(req)
             if req.prefill_only and req.num_computed_tokens == req.num_tokens and req.request_id not in self._aborted:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_PREFILLED, self.outputs.finish))
-        forwarded = sum(len(c.token_ids) for c in prepared.chunks)
-        self._num_forwarded_tokens += forwarded
+        num_forwarded = sum(len(c.token_ids) for c in prepared.chunks)
+        self._num_forwarded_tokens += num_forwarded
         emitted = []
         if due:
             speculating = {r.req.request_id for r in prepared.spec}
@@ -272,7 +272,7 @@ class Engine(KVExchange):
         self._aborted = set()
         self._num_steps += 1
         self._last_step_s = time.perf_counter() - prepared.started_s
-        self.spec.observe(due, emitted, forwarded, self._last_step_s, set(self.requests))
+        self.spec.observe(due, emitted, num_forwarded, self._last_step_s, self.requests.keys())
         self._step_records.append(
             StepRecord(prefill_tokens, prefill_pairs, decode_rows, decode_context, self._last_step_s))
         return outputs

@@ -10,6 +10,7 @@ drafts for a speculating row), and last `settle` per speculating row once its to
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -78,7 +79,7 @@ class SpecDecoder:
                 drafts = self.ngram.propose(req.token_ids, max_k, req.request_id)
                 max_k = len(drafts)
             if max_k:
-                acc = self._requests.get(req.request_id) or Acceptance(weight=2.0)
+                acc = self._requests.get(req.request_id) or Acceptance()
                 cands.append((i, req, drafts, Candidate(acc.rate(self.acceptance.rate()), max_k, u)))
         if not cands:
             return []
@@ -187,7 +188,7 @@ class SpecDecoder:
         self.num_draft_tokens += r.k
         self.num_accepted_tokens += num_accepted
         self.acceptance.record(r.k, num_accepted)
-        self._requests.setdefault(req.request_id, Acceptance(weight=2.0)).record(r.k, num_accepted)
+        self._requests.setdefault(req.request_id, Acceptance()).record(r.k, num_accepted)
         if self.drafter is not None:
             self.drafter.verified(r, num_accepted)
 
@@ -200,7 +201,7 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------------------------- observe
     def observe(self, due: list[Request], num_emitted: list[int], forwarded_tokens: int, step_s: float,
-                live: set[str]) -> None:
+                live: Collection[str]) -> None:
         """After a step: its time (drafting excluded) for the step-time model, rows' TPOT estimates."""
         if not self.enabled:
             return

@@ -18,6 +18,7 @@ Drafts only change how fast tokens come, never which: verification (verify.py) d
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,7 +75,7 @@ class NgramProposer:
         self._arrays[request_id] = arr
         return arr
 
-    def forget(self, live: set[str]) -> None:
+    def forget(self, live: Collection[str]) -> None:
         for rid in [rid for rid in self._arrays if rid not in live]:
             del self._arrays[rid]
 
@@ -155,6 +156,6 @@ class ModelDrafter:
         bs = self.runner.block_size
         self._done[r.req.request_id] = (done, r.block_ids[: -(-done // bs)])
 
-    def forget(self, live: set[str]) -> None:
+    def forget(self, live: Collection[str]) -> None:
         for rid in [rid for rid in self._done if rid not in live]:
             del self._done[rid]
