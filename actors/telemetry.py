@@ -3,7 +3,7 @@
 Mental model: the engine keeps its latest step records (`Engine.take_step_records`: prefill tokens,
 attention pairs, decode rows, context, wall time) and its prefix cache (`Engine.cached_block_hashes`).
 A worker's `TelemetryLog` moves the steps into a numbered ring and turns the cache into numbered
-changes by diffing it with the last snapshot, at most every `cache_interval_s` (the snapshot is
+changes by diffing it with the last snapshot (`actors/holdings.py`), at most every `cache_interval_s` (the snapshot is
 O(cached blocks), taken between steps). A reader passes the cursor of what it has applied (the
 scheduler's own, relayed by an ingress from the last `ReportAck`) and gets what came after: the
 steps after its step number, the cache changes after its change number, or, when the cursor is
@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.output import StepRecord
+from actors.holdings import HoldingsLog
 from actors.messages import Telemetry, TelemetryCursor
 
 
@@ -37,9 +38,7 @@ class TelemetryLog:
         self._clock = clock
         self._steps: deque[StepRecord] = deque(maxlen=max_steps)
         self._next_step_seq = 1
-        self._changes: deque[tuple[int, tuple[int, ...], tuple[int, ...]]] = deque(maxlen=max_changes)
-        self._cache_seq = 0
-        self._held: frozenset[int] = frozenset()
+        self._cache = HoldingsLog(max_changes, self.incarnation)
         self._cache_at = float("-inf")
         self._lock = threading.Lock()  # reads come from several threads
 
@@ -51,11 +50,9 @@ class TelemetryLog:
             first_kept = self._next_step_seq - len(self._steps)
             first = max(first_kept, cursor.step_seq + 1) if same and cursor is not None else first_kept
             steps = tuple(itertools.islice(self._steps, max(0, first - first_kept), None))
-            oldest = self._changes[0][0] if self._changes else self._cache_seq + 1
-            if same and cursor is not None and oldest - 1 <= cursor.cache_seq <= self._cache_seq:
-                changes = tuple(c for c in self._changes if c[0] > cursor.cache_seq)
-                return Telemetry(self.name, self.incarnation, first, steps, self._cache_seq, changes)
-            return Telemetry(self.name, self.incarnation, first, steps, self._cache_seq, cached_full=self._held)
+            cache = self._cache.read(cursor.incarnation if cursor is not None else None,
+                                     cursor.cache_seq if cursor is not None else 0)
+            return Telemetry(self.name, self.incarnation, first, steps, cache.seq, cache.changes, cache.full)
 
     def _collect(self) -> None:
         for record in self.engine.engine.take_step_records():
@@ -65,12 +62,7 @@ class TelemetryLog:
         if now - self._cache_at < self.cache_interval_s:
             return
         self._cache_at = now
-        held = frozenset(self.engine.locked(self.engine.engine.cached_block_hashes))
-        added, removed = tuple(held - self._held), tuple(self._held - held)
-        if added or removed:
-            self._cache_seq += 1
-            self._changes.append((self._cache_seq, added, removed))
-            self._held = held
+        self._cache.update(frozenset(self.engine.locked(self.engine.engine.cached_block_hashes)))
 
 
 class ReportsTelemetry:

@@ -9,7 +9,10 @@ the prompt, which keeps a 100k-token prompt's lookup in the microseconds. When h
 prefix-closed the match is an estimate; the prefill worker verifies block by block anyway.
 
 Holdings arrive as deltas in worker reports (`add` / `remove`) or whole (`replace`). The pool is
-one more holder named `POOL`.
+one more holder named `POOL`: the union of its stores' holdings, which arrive per store as
+telemetry of a holder named `pool_store(store_id)`; `PoolHoldings` keeps each store's set and
+moves a hash into or out of `POOL` only when the first store gains it or the last one loses it
+(the ring puts each block on one store, but a store leaving the ring hands its keys to another).
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from collections.abc import Iterable, Sequence
 from cluster.descriptors import WorkerName
 
 POOL = WorkerName("<pool>")
+_POOL_STORE = "<pool>/"
+
+
+def pool_store(store_id: str) -> WorkerName:
+    """The telemetry name of one store of the shared prefix-cache pool."""
+    return WorkerName(_POOL_STORE + store_id)
+
+
+def is_pool_store(name: str) -> bool:
+    return name.startswith(_POOL_STORE)
 
 
 class PrefixIndex:
@@ -107,3 +120,48 @@ class PrefixIndex:
             assert holders, f"hash {h} has an empty holder set"
             for w in holders:
                 assert h in self._held.get(w, ()), f"reverse map says {w} holds {h}; {w} disagrees"
+
+
+class PoolHoldings:
+    """Each pool store's block hashes, and how many stores hold each; keeps `index`'s `POOL`
+    holder equal to their union."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self._stores: dict[WorkerName, set[int]] = {}
+        self._count: dict[int, int] = {}
+
+    def replace(self, store: WorkerName, hashes: Iterable[int]) -> None:
+        new = set(hashes)
+        old = self._stores.get(store, set())
+        self.change(store, new - old, old - new)
+
+    def change(self, store: WorkerName, added: Iterable[int], removed: Iterable[int]) -> None:
+        held = self._stores.setdefault(store, set())
+        gained, lost = [], []
+        for h in removed:
+            if h in held:
+                held.discard(h)
+                n = self._count[h] - 1
+                if n:
+                    self._count[h] = n
+                else:
+                    del self._count[h]
+                    lost.append(h)
+        for h in added:
+            if h not in held:
+                held.add(h)
+                n = self._count.get(h, 0)
+                self._count[h] = n + 1
+                if not n:
+                    gained.append(h)
+        self.index.remove(POOL, lost)
+        self.index.add(POOL, gained)
+
+    def num_blocks(self, store: WorkerName) -> int:
+        return len(self._stores.get(store, ()))
+
+    def check_integrity(self) -> None:
+        union = set().union(*self._stores.values()) if self._stores else set()
+        assert union == set(self._count), "per-store sets and counts disagree"
+        assert all(n == sum(h in s for s in self._stores.values()) for h, n in self._count.items()), "counts"

@@ -40,7 +40,7 @@ from cluster.journal import Journal, JournalEntry, Phase
 from cluster.ordering import new_request_urgency_s, priority_key
 from cluster.parts import SchedulerParts
 from cluster.placement import Fit, Placement, PlacementKind, PlacementPolicy
-from cluster.prefix_index import POOL, PrefixIndex
+from cluster.prefix_index import POOL, PoolHoldings, PrefixIndex, is_pool_store
 from cluster.recovery import RecoveryPlanner
 from cluster.scaling import ScaleAdvice, ScaleAdvisor, decode_pressure, prefill_pressure
 from cluster.snapshots import DecodeCapacity, Snapshots
@@ -72,6 +72,7 @@ class GlobalScheduler:
         self.admission = AdmissionController(cfg.admission)
         self.models = CostModelBank(cfg.cost_prior)
         self.index = PrefixIndex()
+        self.pool_holdings = PoolHoldings(self.index)
         self.telemetry = TelemetryInbox()
         self.workers = WorkerRegistry(cfg.placement.max_num_seqs, self.models)
         self.policy = PlacementPolicy(cfg.placement, self.models, self.index)
@@ -214,7 +215,15 @@ class GlobalScheduler:
         """A known worker's numbered telemetry (relayed by an ingress): its new engine steps fit
         its step-time model, its prefix-cache changes update the index. Repeats and overlaps are
         applied once (`TelemetryInbox`); telemetry of a worker with no view (never reported, or
-        declared dead) is dropped."""
+        declared dead) is dropped. A prefix-pool store's (`pool_store` names) carries only its
+        prefix changes, which feed the index's `POOL` holder (`PoolHoldings`)."""
+        if is_pool_store(t.name):
+            got = self.telemetry.accept(t)
+            if got.cached_full is not None:
+                self.pool_holdings.replace(t.name, got.cached_full)
+            for added, removed in got.changes:
+                self.pool_holdings.change(t.name, added, removed)
+            return
         view = self.workers.get(t.name)
         if view is None:
             return
@@ -230,7 +239,8 @@ class GlobalScheduler:
 
     def on_pool_report(self, added: Sequence[int] = (), removed: Sequence[int] = (),
                        full: frozenset[int] | None = None) -> None:
-        """Prefix blocks the shared prefix-cache pool gained or lost."""
+        """Prefix blocks the shared prefix-cache pool gained or lost, as one whole (the simulator's
+        feed; a live pool's stores report one by one through `on_telemetry`)."""
         if full is not None:
             self.index.replace(POOL, full)
         self.index.remove(POOL, removed)
@@ -378,3 +388,4 @@ class GlobalScheduler:
 
     def check_integrity(self) -> None:
         self.snapshots.check_integrity()
+        self.pool_holdings.check_integrity()

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 from actors.prefix_cache.store import PrefixCacheStore
 
 StoreMethod = Literal["put", "get", "get_prefix", "match_prefix", "prefetch", "remove", "clear", "stats_dict",
-                      "tenant_usage"]
+                      "tenant_usage", "holdings"]
 
 
 class StoreError(Exception):

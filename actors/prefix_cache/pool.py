@@ -27,8 +27,10 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from actors.engine.block_hash import BlockHash
+from actors.holdings import HoldingsRead
 from actors.prefix_cache.handles import PendingCall, StoreHandle, StoreMethod, StoreTimeout
 from actors.prefix_cache.ring import DEFAULT_VNODES_PER_STORE, HashRing, StoreId
 from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_RETRY_S = 5.0  # first probe of a dropped store
 MAX_RETRY_S = 60.0
+DROPPED = "dropped"  # the incarnation a store out of the ring reports its (empty) holdings under
 
 _Args = tuple[object, ...]
 _Handles = Mapping[StoreId, StoreHandle]
@@ -303,6 +306,27 @@ class PrefixCachePool:
         results = self._fan_out("stats_dict", dict.fromkeys(handles, ()), handles)
         per_store = {s: PrefixCacheStats.from_dict(d) for s, d in results.items()}  # type: ignore[arg-type]
         return PoolStats(PrefixCacheStats.total(per_store.values()), per_store, self.failed_store_ids)
+
+    def holdings(self, cursors: Mapping[StoreId, tuple[str, int] | None]) -> dict[StoreId, HoldingsRead]:
+        """Per store, the prefix blocks it holds after the reader's cursor ((incarnation, change
+        number), or None for the whole set): see `PrefixCacheStore.holdings`. A store out of the
+        ring (dropped, and not back yet) holds nothing a lookup can reach, so it reads as an empty
+        whole set of the incarnation `DROPPED`, each time the same; one that does not answer now
+        is left out this time."""
+        self._heal()
+        with self._lock:
+            handles = dict(self._handles)
+            dropped = [s for s in self._failed if s not in handles]
+        args = {s: tuple(cursors.get(s) or (None, 0)) for s in handles}
+        out: dict[StoreId, HoldingsRead] = {}
+        for store_id, r in self._fan_out("holdings", args, handles).items():
+            d: dict[str, Any] = r  # type: ignore[assignment]
+            out[store_id] = HoldingsRead(d["incarnation"], d["seq"],
+                                         tuple((n, tuple(a), tuple(rm)) for n, a, rm in d["changes"]),
+                                         None if d["full"] is None else frozenset(d["full"]))
+        for store_id in dropped:
+            out[store_id] = HoldingsRead(DROPPED, 0, full=frozenset())
+        return out
 
     def tenant_usage(self) -> dict[str, TenantUse]:
         """Bytes each tenant holds per tier, summed over the stores that answered."""

@@ -34,6 +34,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from actors.engine.block_hash import BlockHash
+from actors.holdings import HoldingsLog
 from actors.prefix_cache.config import DEFAULT_TENANT, PrefixCacheConfig, check_block_hash
 from actors.prefix_cache.stats import PrefixCacheStats
 from actors.prefix_cache.tiers import DiskTier, DramTier
@@ -65,6 +66,7 @@ class PrefixCacheStore:
             self._disk = DiskTier(cfg.store_dir(store_id), cfg.disk_bytes)
             self._index["disk"] = TierIndex("disk", cfg.disk_bytes, self._metas)
         self._n: Counter[str] = Counter()  # PrefixCacheStats counters by field name
+        self._holdings = HoldingsLog()  # what `holdings` last reported, numbered
 
     # --- commands -------------------------------------------------------------------------
 
@@ -97,7 +99,7 @@ class PrefixCacheStore:
                 logger.debug("refused a %d-byte block: DRAM holds %d", len(payload), self.cfg.dram_bytes)
                 continue
             weight = block_weight(depth, shadow, self.cfg.depth_scale_blocks, self.cfg.shadow_weight)
-            meta = BlockMeta(tenant, len(payload), weight, 0.0, self._clock.now, "dram")
+            meta = BlockMeta(tenant, len(payload), weight, 0.0, self._clock.now, "dram", shadow=shadow)
             self._clock.use(meta, 1.0)
             tier = self._place_new(h, meta, bytes(payload))  # bytes(): an immutable copy we own
             if tier is None:
@@ -310,6 +312,18 @@ class PrefixCacheStore:
 
     def contains(self, block_hash: BlockHash) -> bool:
         return check_block_hash(block_hash) in self._metas
+
+    def holdings(self, incarnation: str | None = None, seq: int = 0) -> dict[str, object]:
+        """The prefix blocks this store holds (shadows left out: nobody else's prompt has their
+        keys), for the scheduler's prefix index, as numbered changes (`actors/holdings.py`): those
+        after change `seq` of `incarnation` (this store's process), or the whole set when they are
+        not all kept. Plain types: {"incarnation", "seq", "changes": [[seq, added, removed]],
+        "full": list or None}. O(blocks held) per call."""
+        self._holdings.update(h for h, m in self._metas.items() if not m.shadow)
+        read = self._holdings.read(incarnation, seq)
+        return {"incarnation": read.incarnation, "seq": read.seq,
+                "changes": [[n, list(added), list(removed)] for n, added, removed in read.changes],
+                "full": None if read.full is None else list(read.full)}
 
     def dram_eviction_order(self) -> list[BlockHash]:
         """DRAM's blocks, the first to leave first (least valuable; least recent in "lru" mode)."""

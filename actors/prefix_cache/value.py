@@ -48,6 +48,7 @@ class BlockMeta:
     seq: int = 0  # tie-break; also tells a live heap entry from a stale one
     prefetched: bool = False  # promoted by a prefetch and not read since
     read_counted: bool = False  # a prefetch counted the use its next read makes
+    shadow: bool = False  # a request's private KV shadow, not a prefix anyone else can match
 
 
 def block_weight(depth: int, shadow: bool, depth_scale: float, shadow_weight: float) -> float:
