@@ -21,12 +21,18 @@ share the offers' one thread and bound.
 prefill worker's, and a decode worker's when the scheduler has it prefill a request itself (it
 fetches from the pool but does not offer). The pool turns store failures into misses within its
 deadline; this module adds none of its own.
+
+`fetch` also measures the link: the wall time of each fetch that returned blocks (the pool's
+answer, decoding, the copy out) over the blocks it returned, smoothed over fetches
+(`fetch_s_per_block`). The worker reports it, and the scheduler prices a pool hit on this worker
+with it instead of a configured constant.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -50,11 +56,20 @@ class PoolLinkStats:
     num_dropped_offers: int  # not attempted: too many in flight
     num_pending_offers: int
     num_prefetches: int  # chains the pool was asked to bring up from disk
+    num_timed_fetches: int = 0  # fetches that returned blocks: those `fetch_s_per_block` is measured on
+    fetch_s_per_block: float | None = None  # smoothed wall seconds per fetched block; None before any
+
+
+# Weight of the newest fetch in the smoothed seconds per block: the last five or so fetches carry
+# most of it, so the estimate follows a pool that slows down (disk tier, a loaded store) within a
+# few requests while one stray slow fetch moves it by a fifth. A fetch's fixed cost (the round trip)
+# is spread over its blocks: a figure per block, as placement prices it.
+FETCH_WEIGHT = 0.2
 
 
 class PoolLink:
     def __init__(self, pool: PrefixCachePool, layout: KVLayout, compression: str = "none",
-                 max_pending: int = 64) -> None:
+                 max_pending: int = 64, clock: Callable[[], float] = time.perf_counter) -> None:
         self.pool = pool
         self.layout = layout
         self.compression = compression
@@ -64,13 +79,18 @@ class PoolLink:
         self._pending: set[Future[int]] = set()
         self._num_fetched = self._num_offered = self._num_stored = 0
         self._num_dropped = self._num_prefetches = 0
+        self._clock = clock
+        self._num_timed_fetches = 0
+        self._fetch_s_per_block: float | None = None
 
     def fetch(self, hashes: Sequence[BlockHash], epoch: int | None = None) -> tuple[list[BlockHash], torch.Tensor | None]:
         """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds: each block
         passed the codec's checksum and carries its own hash (and `epoch`, when given, as its
-        transfer id); the run ends at the first that does not. Blocking."""
+        transfer id); the run ends at the first that does not. Blocking. A fetch that returns
+        blocks updates `fetch_s_per_block`."""
         if not hashes:
             return [], None
+        start = self._clock()
         kvs: list[torch.Tensor] = []
         for h, payload in zip(hashes, self.pool.get_prefix(hashes)):
             try:
@@ -87,10 +107,21 @@ class PoolLink:
                                h, hdr.transfer_id, epoch)
                 break
             kvs.append(shard.kv)
+        # cat copies: the result no longer points into the payloads
+        kv = torch.cat(kvs, dim=2) if kvs else None
+        elapsed_s = self._clock() - start
         with self._lock:
             self._num_fetched += len(kvs)
-        # cat copies: the result no longer points into the payloads
-        return list(hashes[: len(kvs)]), torch.cat(kvs, dim=2) if kvs else None
+            if kvs:  # a miss measures the pool's lookup, not what a block costs to bring over
+                measured, last = elapsed_s / len(kvs), self._fetch_s_per_block
+                self._fetch_s_per_block = measured if last is None else last + FETCH_WEIGHT * (measured - last)
+                self._num_timed_fetches += 1
+        return list(hashes[: len(kvs)]), kv
+
+    @property
+    def fetch_s_per_block(self) -> float | None:
+        """Smoothed wall seconds per block of the fetches that returned blocks; None before any."""
+        return self._fetch_s_per_block
 
     def prefetch(self, hashes: Sequence[BlockHash]) -> None:
         """Asks the pool to move the chain's leading run from disk to DRAM; does not wait."""
@@ -158,7 +189,8 @@ class PoolLink:
     def stats(self) -> PoolLinkStats:
         with self._lock:
             return PoolLinkStats(self._num_fetched, self._num_offered, self._num_stored, self._num_dropped,
-                                 len(self._pending), self._num_prefetches)
+                                 len(self._pending), self._num_prefetches, self._num_timed_fetches,
+                                 self._fetch_s_per_block)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
