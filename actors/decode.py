@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from actors.colocated import read_load
 from actors.engine.async_engine import AsyncEngine
@@ -152,7 +153,8 @@ class DecodeWorker(ReportsTelemetry):
 
     # ------------------------------------------------------------------------ introspection
     async def load(self) -> WorkerLoad:
-        return read_load(self.engine, self.name, "decode", self.receiver.num_pending, self.runs.shadow_bytes)
+        load = read_load(self.engine, self.name, "decode", self.receiver.num_pending, self.runs.shadow_bytes)
+        return load if self.pool is None else replace(load, pool_fetch_s_per_block=self.pool.fetch_s_per_block)
 
     def receiver_stats(self) -> ReceiverStats:
         return self.receiver.stats()

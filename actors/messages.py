@@ -197,6 +197,9 @@ class WorkerLoad:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_rounds: int = 0
+    # Measured wall seconds per block the worker fetched from the prefix-cache pool, smoothed
+    # (`PoolLink.fetch_s_per_block`); None where unknown: no pool, or no fetch has returned blocks yet.
+    pool_fetch_s_per_block: float | None = None
 
     @property
     def rss_mib(self) -> int | None:

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -209,7 +209,8 @@ class PrefillWorker(ReportsTelemetry):
         return None if self.pool is None else self.pool.stats()
 
     async def load(self) -> WorkerLoad:
-        return read_load(self.engine, self.name, "prefill", shadow_bytes=self.runs.shadow_bytes)
+        load = read_load(self.engine, self.name, "prefill", shadow_bytes=self.runs.shadow_bytes)
+        return load if self.pool is None else replace(load, pool_fetch_s_per_block=self.pool.fetch_s_per_block)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -129,8 +129,14 @@ class WorkerReport:
     # verified drafts, and the draft tokens accepted in them (each an output token without a step).
     num_spec_rounds: int = 0
     num_accepted_tokens: int = 0
+    # Measured seconds to fetch one block from the shared prefix pool here (smoothed); None where
+    # not measured yet: placement then prices this worker's pool hits with its configured constant.
+    pool_fetch_s_per_block: float | None = None
 
     def __post_init__(self) -> None:
+        if self.pool_fetch_s_per_block is not None and not 0 <= self.pool_fetch_s_per_block < float("inf"):
+            raise ValueError(f"worker {self.name}: pool_fetch_s_per_block {self.pool_fetch_s_per_block} "
+                             "is not a finite number of seconds >= 0")
         if self.num_total_blocks < 0 or not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):
             raise ValueError(
                 f"worker {self.name}: free blocks {self.num_free_blocks} outside [0, {self.num_total_blocks}]"

@@ -3,8 +3,10 @@
 Mental model:
 - Prefill: for every healthy prefill-capable worker, predict the time to first token if placed
   there = queued work ahead of it (`backlog_s` of its class and above) + fetching from the shared
-  pool the prefix blocks the worker lacks but the pool holds + computing the tokens no one holds
-  (the worker's fitted step-time model). The longer the prefix a worker already holds, the less
+  pool the prefix blocks the worker lacks but the pool holds (at the seconds per block that worker
+  measured, `WorkerView.pool_fetch_s_per_block`, or the configured constant until it has: a slow
+  link tips the choice to a worker holding the prefix) + computing the tokens no one holds (the
+  worker's fitted step-time model). The longer the prefix a worker already holds, the less
   it computes: that subtraction *is* the prefix-affinity score, in seconds, so affinity and load
   trade off in one unit and a hot worker with the prefix loses to an idle one when it should.
 - Decode: a worker is feasible if one more active row keeps its batch within the TPOT cap of its
@@ -75,7 +77,8 @@ class Placement:
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
     """`hash_block_size`: tokens per block hash in `RequestDesc.block_hashes`.
-    `pool_fetch_s_per_block`: time to pull one such block from the shared pool.
+    `pool_fetch_s_per_block`: time to pull one such block from the shared pool, for a worker that
+    has not reported its own measured time yet (`WorkerView.pool_fetch_s_per_block`).
     `decode_tpot_safety`: the batch cap aims at this fraction of the tightest TPOT target.
     `local_prefill`: decode workers may also prefill requests they then decode, in chunks that
     fill the step time their running rows leave under the TPOT target (`local_chunk_tokens`),
@@ -169,7 +172,8 @@ class PlacementPolicy:
             wait = w.backlog_s[0] if rank == 0 else w.backlog_s[0] + w.backlog_s[1]
             if w.ttft_bias_s > 0:  # learned lateness of this worker's first tokens
                 wait += w.ttft_bias_s
-            fetch = (hit - local) * fetch_per_block
+            f = w.pool_fetch_s_per_block  # measured there; the configured constant until then
+            fetch = (hit - local) * (fetch_per_block if f is None else f)
             ttft = wait + fetch + compute
             if ttft < best_ttft:
                 best, best_ttft, best_parts = w, ttft, (wait, fetch, hit, hit - local)
@@ -187,8 +191,8 @@ class PlacementPolicy:
         spread over max(1, work / room) steps of `base` seconds each; the choice carries that
         chunk size (None without a target: the engine's own budget). The worker reuses its own
         prefix cache and, beyond it, what the shared pool holds (a decode worker fetches from the
-        pool before prefilling for itself), priced as in `choose_prefill`. Only a first token sooner
-        than `beat_s` counts."""
+        pool before prefilling for itself), priced as in `choose_prefill` (at its own measured
+        fetch time). Only a first token sooner than `beat_s` counts."""
         safety, hbs, max_chunk = self.cfg.decode_tpot_safety, self.cfg.hash_block_size, self.cfg.max_local_chunk_tokens
         pool_hit, fetch_per_block = matches.get(POOL, 0), self.cfg.pool_fetch_s_per_block
         best: tuple[WorkerView, float, float, float, int, int | None] | None = None
@@ -201,7 +205,8 @@ class PlacementPolicy:
             t = w.model.theta
             local = matches.get(w.name, 0) if matches else 0
             hit = local if local >= pool_hit else pool_hit
-            fetch = (hit - local) * fetch_per_block
+            f = w.pool_fetch_s_per_block
+            fetch = (hit - local) * (fetch_per_block if f is None else f)
             cached = min(hit * hbs, num_tokens - 1)
             new = num_tokens - cached
             work = t[1] * new * 1e-3 + t[2] * new * (cached + new * 0.5) * 1e-6

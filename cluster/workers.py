@@ -7,7 +7,8 @@ every decision and event:
 - prefill side: `backlog_s[rank]`, the predicted compute seconds of prefills placed there and not
   yet done, per SLO class rank (interactive work waits only for interactive work ahead of it),
   and `ttft_bias_s`, how late first tokens came versus prediction (what the sum of compute times
-  misses: a request finishes with the whole engine step it shares with others, report staleness);
+  misses: a request finishes with the whole engine step it shares with others, report staleness),
+  and `pool_fetch_s_per_block`, what one block from the shared prefix pool takes to arrive there;
 - decode side: requests committed (placed, still prefilling elsewhere) and active (transferring or
   decoding), their KV blocks, the multiset of active TPOT targets (`MinTracker`) and the running
   batch-class requests that may be preempted (`VictimQueue`).
@@ -58,6 +59,9 @@ class WorkerView:
     # step; with several a step it overstates the factor (EngineStats counts steps, not rows).
     tokens_per_step: float = 1.0
     spec_counters: tuple[int, int] | None = None
+    # Seconds to fetch one block from the shared prefix pool here, as the worker last measured it
+    # (`WorkerReport.pool_fetch_s_per_block`); None: not measured, placement uses its constant.
+    pool_fetch_s_per_block: float | None = None
 
     def apply_report(self, load: WorkerReport, now: float) -> None:
         self.healthy = load.healthy
@@ -68,6 +72,7 @@ class WorkerView:
         self.reported_running = load.num_running
         self.reported_waiting = load.num_waiting
         self.blocks_since_report = 0
+        self.pool_fetch_s_per_block = load.pool_fetch_s_per_block  # already smoothed by the worker
         self.observe_steps(load.steps)
         self.observe_speculation(load.num_spec_rounds, load.num_accepted_tokens)
 

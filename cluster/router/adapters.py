@@ -23,13 +23,14 @@ _PHASES = {PREFILLING: Phase.PREFILLING, DECODING: Phase.DECODING, PREEMPTED: Ph
 
 def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerReport:
     """A worker's report: requests announced to a decode worker whose KV has not landed count
-    as waiting."""
+    as waiting; its measured pool fetch time travels as is (None: not measured)."""
     return WorkerReport(
         name=WorkerName(load.name), kind=WorkerKind(load.kind), num_running=load.num_running,
         num_waiting=load.num_waiting + load.num_reserved,
         num_free_blocks=max(0, min(load.num_free_blocks, load.num_total_blocks)),
         num_total_blocks=load.num_total_blocks, block_size=block_size, healthy=load.healthy, report_time=now,
-        num_spec_rounds=load.num_spec_rounds, num_accepted_tokens=load.num_accepted_tokens)
+        num_spec_rounds=load.num_spec_rounds, num_accepted_tokens=load.num_accepted_tokens,
+        pool_fetch_s_per_block=load.pool_fetch_s_per_block)
 
 
 def worker_telemetry(t: Telemetry) -> WorkerTelemetry:

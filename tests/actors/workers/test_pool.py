@@ -55,6 +55,12 @@ def test_second_worker_computes_only_new_tokens(tiny_model_dir: Path, tmp_path: 
             assert [a.token_ids, b.token_ids] == want
             # the pool already had every full block of b: nothing new was offered
             assert cluster.prefills[1].pool_stats().num_offered_blocks == 0  # type: ignore[union-attr]
+            # Only b's fetch returned blocks: worker 1 reports what a block took to fetch, worker 0
+            # (its one fetch a miss) nothing yet.
+            loads = [await p.load() for p in cluster.prefills]
+            assert loads[0].pool_fetch_s_per_block is None
+            assert loads[1].pool_fetch_s_per_block is not None and loads[1].pool_fetch_s_per_block > 0
+            assert cluster.prefills[1].pool_stats().num_timed_fetches == 1  # type: ignore[union-attr]
         finally:
             cluster.close()
 
@@ -136,6 +142,8 @@ def test_a_decode_worker_prefilling_for_itself_imports_the_pools_blocks(tiny_mod
             # 9 new prompt tokens, then one per decode step after the first output token
             assert decode.engine.engine.stats().num_forwarded_tokens - forwarded_before == 9 + GREEDY.max_tokens - 1
             assert decode.pool_stats().num_fetched_blocks == 4  # type: ignore[union-attr]
+            fetch_s = (await decode.load()).pool_fetch_s_per_block  # what the scheduler prices its pool hits with
+            assert fetch_s is not None and fetch_s == decode.pool_stats().fetch_s_per_block > 0  # type: ignore[union-attr]
             assert [a.token_ids, Run(None, b).token_ids] == want
         finally:
             cluster.close()
