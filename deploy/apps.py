@@ -133,6 +133,8 @@ class FerryIngress:
             self._store_handles = dict(self._deployment.stores)
         max_len = cfg.engine.max_model_len or _context_of(path)
         pool = PoolSource(self._store_handles) if self._store_handles else None
+        if pool is not None and self._link is not None:  # the scheduler's index learns what the pool holds
+            self._link.attach_pool(pool.pool.holdings)
         self.backend = ClusterBackend(router, self.tokenizer, model_key(cfg.model), max_len, pool=pool,
                                       num_experts=getattr(_read_config(path), "num_experts", None))
         if self._routing is not None:  # /health reports each worker's expert loads and routing table

@@ -8,6 +8,9 @@ run on the ingress side, never in the scheduler actor, which therefore never imp
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+from actors.holdings import HoldingsRead
 from actors.messages import GenerationRequest, Telemetry, TelemetryCursor
 from actors.messages import WorkerLoad as ActorWorkerLoad
 from cluster.admission import Refusal
@@ -15,6 +18,7 @@ from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, T
                                  WorkerName, WorkerTelemetry)
 from cluster.flights import FlightState
 from cluster.journal import Phase
+from cluster.prefix_index import is_pool_store, pool_store
 from cluster.router.choice import PlacementRefused
 from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight
 
@@ -39,6 +43,21 @@ def worker_telemetry(t: Telemetry) -> WorkerTelemetry:
         tuple(StepSample(s.num_prefill_tokens, s.num_prefill_pairs, s.num_decode_seqs, s.num_context_tokens, s.step_s)
               for s in t.steps),
         t.cache_seq, t.cache_changes, t.cached_full)
+
+
+# `PrefixCachePool.holdings`: per store id, its prefix blocks after the reader's (incarnation, change).
+PoolHoldingsRead = Callable[[Mapping[str, "tuple[str, int] | None"]], Mapping[str, HoldingsRead]]
+
+
+def pool_cursors(cursors: Mapping[str, TelemetryCursor]) -> dict[str, tuple[str, int]]:
+    """The scheduler's cursors of the pool's stores, by store id."""
+    return {name[len(pool_store("")):]: (c.incarnation, c.cache_seq) for name, c in cursors.items()
+            if is_pool_store(name)}
+
+
+def pool_telemetry(store_id: str, read: HoldingsRead) -> WorkerTelemetry:
+    """One pool store's holdings as telemetry of its `pool_store` name (prefix changes, no steps)."""
+    return WorkerTelemetry(pool_store(store_id), read.incarnation, 1, (), read.seq, read.changes, read.full)
 
 
 def telemetry_cursor(cursor: tuple[str, int, int]) -> TelemetryCursor:

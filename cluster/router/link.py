@@ -9,7 +9,8 @@ done) are buffered and sent, with the workers' loads as heartbeats, by one backg
 every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. Every
 `telemetry_interval_s` the reporter also relays each worker's engine telemetry (step times for
 the scheduler's step-time models, prefix-cache changes for its prefix index), read after the
-cursors the scheduler's last acknowledgement gave, so the scheduler applies each once. When
+cursors the scheduler's last acknowledgement gave, so the scheduler applies each once (and, when a
+prefix-cache pool is attached, each store's holdings the same way, for the index's pool). When
 an acknowledgement says the actor does not know this ingress (it restarted), the reporter sends
 the in-flight list (`rebuild`), which supersedes every event not yet applied. So requests never
 depend on the actor being up, and the actor's view is rebuilt from the ingress's truth.
@@ -50,8 +51,8 @@ from cluster.config import SchedulerConfig
 from cluster.descriptors import RequestId, SloClass
 from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.placement import Placement
-from cluster.router.adapters import (flight_state, refusal_error, request_desc, telemetry_cursor, worker_load,
-                                     worker_telemetry)
+from cluster.router.adapters import (PoolHoldingsRead, flight_state, pool_cursors, pool_telemetry, refusal_error,
+                                     request_desc, telemetry_cursor, worker_load, worker_telemetry)
 from cluster.router.choice import NoWorkers
 from cluster.router.control import FlightSource, Planned
 from cluster.router.flight import PREEMPTED, InFlight
@@ -87,6 +88,7 @@ class SchedulerLink:
         self._hashes: dict[str, tuple[int, ...]] = {}  # prompt block hashes of requests in flight
         self._cursors: dict[str, TelemetryCursor] = {}  # the scheduler's, from its last ack
         self._telemetry_due = 0.0
+        self._pool_holdings: PoolHoldingsRead | None = None
         self._events: list[FlightEvent] = []  # not sent yet; TOKENS entries are filled at flush
         self._token_times: dict[str, tuple[int, list[float]]] = {}  # rid -> (index in _events, times)
         self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
@@ -100,6 +102,10 @@ class SchedulerLink:
 
     def attach(self, source: FlightSource) -> None:
         self._source = source
+
+    def attach_pool(self, holdings: PoolHoldingsRead) -> None:
+        """Relays the prefix-cache pool's holdings (`PrefixCachePool.holdings`, blocking) with the workers'."""
+        self._pool_holdings = holdings
 
     # ---- decisions ---------------------------------------------------------------------------
 
@@ -328,6 +334,12 @@ class SchedulerLink:
             self._telemetry_due = time.monotonic() + self.cfg.telemetry_interval_s
             got = await self._source.telemetry({name: self._cursors.get(name) for name in loads})
             telemetry = [worker_telemetry(t) for t in got.values()]
+            if self._pool_holdings is not None:
+                try:
+                    stores = await asyncio.to_thread(self._pool_holdings, pool_cursors(self._cursors))
+                    telemetry += [pool_telemetry(store_id, read) for store_id, read in stores.items()]
+                except Exception as e:  # noqa: BLE001 - the pool's index is an estimate: skip a round
+                    logger.debug("no prefix-pool holdings this round: %r", e)
         events = self._take_events()
         if events:
             self._pending.append((next(self._seq), events))
