@@ -5,7 +5,9 @@ handles; a `PoolSource` wraps a `PrefixCachePool` over them and answers off the 
 pool's fan-out blocks for at most its own deadline). A store that does not answer counts as empty
 this time, as for any pool call. The figures: each tier's hit rate, the bytes moved between
 tiers, prefetch accuracy, refusals, and each tenant's bytes per tier (its share of the tiers,
-`scheduler.tenants.<t>.kv_share_*`).
+`scheduler.tenants.<t>.kv_share_*`). `/health` also carries the cumulative block lookups by
+answering tier and the number of stores that answered, so a client can difference two readings
+(bench.serve does, around each rate); a store that did not answer drops out of the sums.
 """
 
 from __future__ import annotations
@@ -35,12 +37,16 @@ class PoolSource:
 
     async def health(self) -> dict[str, Any]:
         """`/health`'s `prefix_pool` section."""
-        s, use = await asyncio.gather(self.stats(), self.tenant_usage())
+        pool, use = await asyncio.gather(asyncio.to_thread(self.pool.stats), self.tenant_usage())
+        s = pool.total
         return {
             "dram_mib": round(s.dram_bytes / MIB, 1), "disk_mib": round(s.disk_bytes / MIB, 1),
             "hit_rate": round(s.hit_rate, 3), "dram_hit_rate": round(s.dram_hit_rate, 3),
             "disk_hit_rate": round(s.disk_hit_rate, 3), "prefetched_blocks": s.num_prefetched,
             "prefetch_accuracy": round(s.prefetch_accuracy, 3),
+            # counters since each store started: block lookups by the tier that answered, and misses
+            "hit_blocks": {"dram": s.num_hits_dram, "disk": s.num_hits_disk}, "miss_blocks": s.num_misses,
+            "stores_answered": len(pool.per_store),
             "by_tenant": {t: {"dram_mib": round(u.dram_bytes / MIB, 1), "disk_mib": round(u.disk_bytes / MIB, 1)}
                           for t, u in use.items()},
         }

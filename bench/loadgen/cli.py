@@ -28,6 +28,7 @@ from bench.loadgen.metrics import Slo, summarize
 from bench.loadgen.peers import ALL_PEERS, PeerSpec, PeerUnavailable, health_figures, launched, served_model
 from bench.loadgen.report import (RatePoint, SystemResult, machine, memory_table, plot, stage_table, table, tenant_table,
                                   write_json, write_results_md)
+from bench.loadgen.prefix_tiers import pool_delta, tier_tokens
 from bench.loadgen.probe import PROBE_PROMPT, probe
 from bench.loadgen.stages import fetch_timelines, summarize_stages
 from bench.loadgen.workload import (BenchRequest, assign_tenants, load_trace, rescale_rate, resolve_trace,
@@ -165,6 +166,8 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         s = summarize(records, dur, slos)
         stages = summarize_stages(records, fetch_timelines(url, records), dur)
         after = health_figures(url)
+        if stages is not None:
+            stages.update(tier_tokens(stages, pool_delta(before.pool, after.pool), after.block_size or before.block_size))
         preemptions = None
         if before.preemptions is not None and after.preemptions is not None:
             preemptions = (after.preemptions[0] - before.preemptions[0], after.preemptions[1] - before.preemptions[1])

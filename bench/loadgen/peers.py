@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx2
 import yaml
 
+from bench.loadgen.prefix_tiers import PoolReading, block_size_of
 from deploy.ops import Unreachable, fetch_health, workers_of
 
 log = logging.getLogger(__name__)
@@ -197,11 +198,15 @@ class HealthFigures:
     """From a ferry server's `/health`: the resident MiB of each worker (the process, for the
     in-process engine); the batch rows its ingress has preempted and resumed so far (None without
     a scheduler); healthy workers per kind (prefill, decode, colocated: the replica counts when
-    the scheduler scales them). Empty from a server that reports none (llama.cpp) or does not answer."""
+    the scheduler scales them); the prefix-cache pool's lookup counters and the engines' block
+    size (bench/loadgen/prefix_tiers.py). Empty from a server that reports none (llama.cpp) or
+    does not answer."""
 
     memory_mib: dict[str, int] = field(default_factory=dict)
     preemptions: tuple[int, int] | None = None
     workers: dict[str, int] = field(default_factory=dict)
+    pool: PoolReading | None = None
+    block_size: int | None = None
 
 
 def health_figures(base: str) -> HealthFigures:
@@ -213,9 +218,11 @@ def health_figures(base: str) -> HealthFigures:
     memory = {w.name: int(w.rss_mib) for w in workers if isinstance(w.rss_mib, (int, float))}
     kinds = collections.Counter(w.kind for w in workers if w.healthy)
     link = health.get("scheduler")
-    if not isinstance(link, dict) or not isinstance(link.get("num_preempted"), int):
-        return HealthFigures(memory, None, dict(kinds))
-    return HealthFigures(memory, (int(link["num_preempted"]), int(link.get("num_resumed", 0))), dict(kinds))
+    preemptions = None
+    if isinstance(link, dict) and isinstance(link.get("num_preempted"), int):
+        preemptions = (int(link["num_preempted"]), int(link.get("num_resumed", 0)))
+    return HealthFigures(memory, preemptions, dict(kinds), PoolReading.of(health),
+                         block_size_of([w.kv_plan for w in workers]))
 
 
 def _serving(base: str) -> bool:

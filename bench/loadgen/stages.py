@@ -11,9 +11,11 @@ engine produced each output token. `summarize_stages` turns them into one row pe
   prompt tokens/s it computed while busy: low busy time means prefill waits on something else,
   a low rate while busy means the steps themselves are slow (contention, small chunks);
 - TPOT as the engine produced tokens vs as the client received them (the per-token path cost);
-- prefix reuse: prompt tokens served from a prefix cache (every request, wherever it was
-  prefilled), and for handed-off prompts the blocks found in the prefill worker's own cache vs
-  fetched from the shared pool.
+- prefix reuse: prompt tokens served from a prefix cache rather than computed (every request:
+  a handed-off prompt's from its prefill worker's count, since the decode engine that reports
+  `num_cached_tokens` received that KV and reused none itself; the others' `num_cached_tokens`),
+  and for handed-off prompts the blocks found in the prefill worker's own cache vs fetched from
+  the shared pool; bench/loadgen/prefix_tiers.py adds the split by tier.
 Servers without timelines (peers) give no row.
 """
 
@@ -74,6 +76,14 @@ def _union_s(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _reused_tokens(timeline: dict[str, Any]) -> int:
+    """Prompt tokens of one request served from a prefix cache rather than computed."""
+    prefill = timeline.get("prefill")
+    if prefill and "computed_tokens" in prefill:
+        return max(0, int(timeline["num_prompt_tokens"]) - int(prefill["computed_tokens"]))
+    return int(timeline.get("num_cached_tokens") or 0)
+
+
 def summarize_stages(records: list[ClientRecord], timelines: dict[str, dict[str, Any]],
                      duration_s: float) -> dict[str, Any] | None:
     """One rate's stage figures (milliseconds unless named), or None without timelines."""
@@ -104,7 +114,7 @@ def summarize_stages(records: list[ClientRecord], timelines: dict[str, dict[str,
         "prefill_busy": busy_s / duration_s if duration_s > 0 and compute else None,
         "prefill_tok_s_busy": computed / busy_s if busy_s > 0 else None,
         "engine_tpot_p50_ms": _median(engine_tpot), "client_tpot_p50_ms": _median(client_tpot),
-        "prefix_hit_tokens": sum(int(t.get("num_cached_tokens") or 0) for _, t in pairs),
+        "prefix_hit_tokens": sum(_reused_tokens(t) for _, t in pairs),
         "local_hit_blocks": sum(int(p.get("local_hit_blocks", 0)) for p in prefills),
         "pool_hit_blocks": sum(int(p.get("pool_hit_blocks", 0)) for p in prefills),
         "engine_tpot_mean_ms": float(np.mean(engine_tpot)) if engine_tpot else None,
@@ -122,7 +132,10 @@ STAGE_COLUMNS = [
     ("TTFT engine p50", "engine_ttft_p50_ms"), ("TTFT client p50", "client_ttft_p50_ms"),
     ("prefill busy", "prefill_busy"), ("prefill tok/s busy", "prefill_tok_s_busy"),
     ("TPOT engine", "engine_tpot_mean_ms"), ("TPOT client", "client_tpot_mean_ms"), ("client/engine", "tpot_path_ratio"),
-    ("prefix hit tok", "prefix_hit_tokens"), ("own-cache blocks", "local_hit_blocks"), ("pool blocks", "pool_hit_blocks"),
+    # prefix reuse (bench/loadgen/prefix_tiers.py): reused in all, from the engines' own caches, imported from
+    # the pool by prefill workers; what the pool's stores served from each tier (store side, all callers)
+    ("prefix hit tok", "prefix_hit_tokens"), ("own-cache tok", "local_hit_tokens"), ("pool tok", "pool_hit_tokens"),
+    ("pool DRAM tok", "pool_dram_tokens"), ("pool disk tok", "pool_disk_tokens"),
 ]
 
 

@@ -17,7 +17,7 @@ from bench.loadgen.stages import _union_s, fetch_timelines, summarize_stages
 from bench.loadgen.workload import BenchRequest
 
 SEEN: list[dict[str, object]] = []
-HEALTH = {"calls": 0, "on": False}
+HEALTH = {"calls": 0, "on": False, "pool": False}
 TIMELINES: dict[str, dict[str, object]] = {}
 PROBE_ANSWER = {"text": " Paris. It is the largest city"}  # request id -> what GET /v1/requests/{id}/timeline answers  # /health answers like a ferry cluster only when "on"
 
@@ -50,10 +50,14 @@ class _Fake(BaseHTTPRequestHandler):
         if self.path == "/health" and HEALTH["on"]:
             HEALTH["calls"] += 1  # a worker that grows 10 MiB per look, and one that does not say
             n = HEALTH["calls"]  # an ingress that preempts 3 batch rows and resumes 1 between looks
-            body = json.dumps({"healthy": True, "workers": {
+            report = {"healthy": True, "workers": {
                 "d0": {"kind": "decode", "healthy": True, "rss_mib": 1000 + 10 * n},
-                "p0": {"kind": "prefill", "healthy": True}},
-                "scheduler": {"available": True, "num_preempted": 3 * n, "num_resumed": n}}).encode()
+                "p0": {"kind": "prefill", "healthy": True, "kv_plan": {"block_size": 32}}},
+                "scheduler": {"available": True, "num_preempted": 3 * n, "num_resumed": n}}
+            if HEALTH["pool"]:  # a pool whose stores answer 5 lookups from DRAM and 2 from disk between looks
+                report["prefix_pool"] = {"hit_rate": 0.5, "hit_blocks": {"dram": 5 * n, "disk": 2 * n},
+                                         "miss_blocks": n, "stores_answered": 2}
+            body = json.dumps(report).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -216,6 +220,41 @@ def test_online_and_batch_tenants_get_their_own_attainment_with_the_preemptions_
     assert {s["slo_class"] for s in SEEN} >= {"default", "batch"}  # batch requests say so
 
 
+def test_prefix_reuse_by_tier_from_the_timelines_and_the_pool_counters_around_each_rate(  # type: ignore[no-untyped-def]
+        server: str, tmp_path, capsys) -> None:
+    import json
+
+    from bench.loadgen.cli import run_bench
+
+    TIMELINES.clear()
+    for i in range(1, 12):  # every request handed off: 2 blocks from the prefill's own cache, 1 from the pool
+        TIMELINES[f"cmpl-{i}"] = {"num_prompt_tokens": 100, "num_cached_tokens": 0, "ttft_ms": 50.0,
+                                  "prefill": {"queued_s": 0.0, "lookup_s": 0.0, "compute_s": 0.01, "transfer_s": 0.0,
+                                              "computed_tokens": 4, "finished_at": 1.0, "local_hit_blocks": 2,
+                                              "pool_hit_blocks": 1}}
+    try:
+        for pool in (True, False):
+            HEALTH.update(calls=0, on=True, pool=pool)
+            SEEN.clear()  # request ids are cmpl-<requests seen>: the probe's and both rates' fit in the timelines
+            assert run_bench(_args(tmp_path / str(pool), "--url", server, "--sweep", "2,3")) == 0
+            out = capsys.readouterr().out
+            points = json.loads(next((tmp_path / str(pool)).glob("*/results.json")).read_text())["systems"][0]["points"]
+            for p in points:
+                n, st = p["completed"], p["stages"]
+                assert n >= 1 and st["num_requests"] == n and st["block_size"] == 32  # the engines' (kv_plan)
+                assert (st["prefix_hit_tokens"], st["local_hit_tokens"], st["pool_hit_tokens"]) == (96 * n, 64 * n, 32 * n)
+                if pool:  # one /health look before and one after each rate: 5 and 2 blocks of 32 tokens
+                    assert (st["pool_dram_tokens"], st["pool_disk_tokens"]) == (160, 64)
+                    assert st["pool_lookups"] == {"dram": 5, "disk": 2, "miss": 1}
+                else:
+                    assert st["pool_dram_tokens"] is None and st["pool_disk_tokens"] is None
+            rows = out[out.index("where the time went"):].splitlines()[3:5]
+            assert [r.split()[-2:] for r in rows] == ([["160", "64"]] * 2 if pool else [["-", "-"]] * 2)
+    finally:
+        HEALTH.update(on=False, pool=False)
+        TIMELINES.clear()
+
+
 def test_a_server_without_ferry_health_reports_no_memory(server: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from bench.loadgen.cli import run_bench
     from bench.loadgen.peers import HealthFigures, health_figures
@@ -229,11 +268,12 @@ def test_a_server_without_ferry_health_reports_no_memory(server: str, tmp_path, 
 def test_stages_come_from_the_servers_timelines_by_request_id(server: str) -> None:
     SEEN.clear()
     TIMELINES.clear()
-    # cmpl-1 was handed off (its prefill computed 1,000 tokens in 2 s, from t=10 to t=12), cmpl-2
-    # was prefilled by its decode worker (no prefill stages); cmpl-3 has no timeline (a peer).
-    TIMELINES["cmpl-1"] = {"num_prompt_tokens": 1000, "num_cached_tokens": 96, "ttft_ms": 2600.0, "tpot_ms": 50.0,
+    # cmpl-1 was handed off (its prefill reused 6 blocks and computed the other 904 tokens in 2 s,
+    # from t=10 to t=12; its decode engine, which received that KV, reused none itself), cmpl-2 was
+    # prefilled by its decode worker (no prefill stages); cmpl-3 has no timeline (a peer).
+    TIMELINES["cmpl-1"] = {"num_prompt_tokens": 1000, "num_cached_tokens": 0, "ttft_ms": 2600.0, "tpot_ms": 50.0,
                            "prefill": {"queued_s": 0.4, "lookup_s": 0.01, "compute_s": 2.0, "transfer_s": 0.1,
-                                       "computed_tokens": 1000, "finished_at": 12.1, "local_hit_blocks": 2,
+                                       "computed_tokens": 904, "finished_at": 12.1, "local_hit_blocks": 2,
                                        "pool_hit_blocks": 4}}
     TIMELINES["cmpl-2"] = {"num_prompt_tokens": 200, "num_cached_tokens": 32, "ttft_ms": 900.0, "tpot_ms": 70.0}
     reqs = [BenchRequest(0.0, 5, 8), BenchRequest(0.0, 5, 8), BenchRequest(0.0, 5, 8)]
@@ -244,10 +284,11 @@ def test_stages_come_from_the_servers_timelines_by_request_id(server: str) -> No
     st = summarize_stages(records, timelines, duration_s=4.0)
     assert st is not None and (st["num_requests"], st["num_handed_off"], st["mean_prompt_tokens"]) == (2, 1, 600)
     assert st["queued_p50_ms"] == pytest.approx(400) and st["compute_p50_ms"] == pytest.approx(2000)
-    assert st["prefill_busy"] == pytest.approx(0.5) and st["prefill_tok_s_busy"] == pytest.approx(500)
+    assert st["prefill_busy"] == pytest.approx(0.5) and st["prefill_tok_s_busy"] == pytest.approx(452)
     assert st["engine_tpot_mean_ms"] == pytest.approx(60)
-    # prefix reuse: cached tokens of every request, own-cache vs pool blocks of the handed-off one
-    assert (st["prefix_hit_tokens"], st["local_hit_blocks"], st["pool_hit_blocks"]) == (128, 2, 4)
+    # prefix reuse of every request (the handed-off one's by its prefill: 1000 - 904), own-cache vs
+    # pool blocks of the handed-off one
+    assert (st["prefix_hit_tokens"], st["local_hit_blocks"], st["pool_hit_blocks"]) == (96 + 32, 2, 4)
     assert st["client_tpot_mean_ms"] is not None and st["tpot_path_ratio"] == pytest.approx(
         st["client_tpot_mean_ms"] / 60)
     assert summarize_stages(records, {}, 4.0) is None  # a server without timelines: no row
