@@ -200,6 +200,9 @@ class WorkerLoad:
     # Measured wall seconds per block the worker fetched from the prefix-cache pool, smoothed
     # (`PoolLink.fetch_s_per_block`); None where unknown: no pool, or no fetch has returned blocks yet.
     pool_fetch_s_per_block: float | None = None
+    # Seconds a decode engine waited between steps, lending the node's cores to a prefill
+    # (`engine.cpu_cores: shared`, actors/core_share.py), since it started.
+    cores_lent_s: float = 0.0
 
     @property
     def rss_mib(self) -> int | None:

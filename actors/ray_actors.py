@@ -40,6 +40,7 @@ import torch
 from ray.actor import ActorHandle
 
 from actors.colocated import ColocatedWorker
+from actors.core_share import DecodeYield, PrefillClaim, lend_cores
 from actors.decode import DecodeWorker
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.engine import Engine
@@ -91,6 +92,11 @@ def _load_engine(cfg: WorkerConfig, torch_threads: int | None, name: str) -> Asy
     return engine
 
 
+def _lend(engine: AsyncEngine, role: str) -> DecodeYield | PrefillClaim | None:
+    """A CPU engine whose node's cores are shared takes its part in lending them (core_share.py)."""
+    return lend_cores(engine, role) if engine.engine.device.type == "cpu" else None
+
+
 def _open_transport(cfg: WorkerConfig, name: str, kv_device: torch.device) -> KVTransport:
     """The worker's endpoint, for KV living on `kv_device`. With KV on a GPU, `auto` picks CUDA IPC
     when the whole Ray cluster is this one node (every peer is then on it), else NIXL with device
@@ -116,6 +122,7 @@ class _Inspected:
     blocks), and its KV plan on every load poll (fixed at start-up; a few hundred bytes)."""
 
     engine: AsyncEngine
+    _lender: DecodeYield | PrefillClaim | None = None
 
     async def check_integrity(self) -> EngineStats:
         """Asserts the engine's block accounting under its lock; returns its stats."""
@@ -123,13 +130,15 @@ class _Inspected:
 
     async def load(self) -> WorkerLoad:
         load: WorkerLoad = await super().load()  # type: ignore[misc]
-        return replace(load, kv_plan=self.engine.engine.kv_plan)
+        lent = self._lender.paused_s if isinstance(self._lender, DecodeYield) else 0.0
+        return replace(load, kv_plan=self.engine.engine.kv_plan, cores_lent_s=lent)
 
 
 class PrefillActor(_Inspected, PrefillWorker):
     def __init__(self, cfg: WorkerConfig, name: str, stores: Mapping[StoreId, StoreHandle] | None = None,
                  torch_threads: int | None = None) -> None:
         engine = _load_engine(cfg, torch_threads, name)
+        self._lender = _lend(engine, "prefill")
         pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
         super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
                          pool, name)
@@ -139,6 +148,7 @@ class DecodeActor(_Inspected, DecodeWorker):
     def __init__(self, cfg: WorkerConfig, name: str, torch_threads: int | None = None,
                  stores: Mapping[StoreId, StoreHandle] | None = None) -> None:
         engine = _load_engine(cfg, torch_threads, name)
+        self._lender = _lend(engine, "decode")
         pool = PrefixCachePool(stores, timeout_s=cfg.pool_timeout_s) if stores else None
         super().__init__(cfg, engine, _open_transport(cfg, name, engine.engine.device), kv_layout(engine.engine),
                          name, pool)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from actors.core_share import CORE_SHARE_ENV, default_core_share_path
 from actors.engine.config import EngineConfig
 from transfer.codec import Compression
 from transfer.codec_choice import allowed_codecs
@@ -93,6 +94,7 @@ class WorkerResources:
     num_cpus: float = WORKER_NUM_CPUS
     num_gpus: float = 0.0
     share_cores: bool = False
+    lend_cores: bool = True  # with share_cores: decode engines yield to a node's prefill by SLO slack
 
     def __post_init__(self) -> None:
         if self.num_cpus < 0:
@@ -107,8 +109,9 @@ class WorkerResources:
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments of `RemoteX.options(...)` for one worker actor."""
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.share_cores:
-            options["runtime_env"] = {"env_vars": dict(SHARED_CORES_ENV)}
+        if self.share_cores:  # and, with lend_cores, lend them to each other by SLO slack (core_share.py)
+            lend = {CORE_SHARE_ENV: default_core_share_path()} if self.lend_cores else {}
+            options["runtime_env"] = {"env_vars": {**SHARED_CORES_ENV, **lend}}
         return options
 
     def place(self, engine: EngineConfig) -> EngineConfig:
@@ -128,7 +131,8 @@ class WorkerResources:
 
 def plan_worker_resources(device: str, num_workers: int, cluster_gpus: float, *,
                           num_gpus_per_worker: float | None = None,
-                          num_cpus: float = WORKER_NUM_CPUS, share_cores: bool = False) -> WorkerResources:
+                          num_cpus: float = WORKER_NUM_CPUS, share_cores: bool = False,
+                          lend_cores: bool = True) -> WorkerResources:
     """Resources for each of `num_workers` workers whose engines are configured for `device`:
     "cpu"; "cuda" (or "cuda:N"), which asks for GPUs even when the cluster has none yet (an
     autoscaler starts a GPU node for the pending actors); or "auto", cuda when the cluster has GPUs
@@ -142,7 +146,7 @@ def plan_worker_resources(device: str, num_workers: int, cluster_gpus: float, *,
         if num_gpus_per_worker is not None:
             raise NoGpuForWorker(f"num_gpus_per_worker={num_gpus_per_worker:g} with device {device!r} and "
                                  f"{cluster_gpus:g} GPUs in the Ray cluster (device cuda waits for a GPU node)")
-        return WorkerResources(num_cpus=num_cpus, share_cores=share_cores)
+        return WorkerResources(num_cpus=num_cpus, share_cores=share_cores, lend_cores=lend_cores)
     if num_gpus_per_worker is not None:
         return WorkerResources(num_cpus=num_cpus, num_gpus=num_gpus_per_worker)
     whole_gpus = math.floor(cluster_gpus)

@@ -7,7 +7,11 @@ bench runs the same pair the way the app can: a prefill process repeatedly prefi
 - split: each engine has cores/2 threads (the app's former default);
 - shared: each has every core, with OpenMP's passive wait policy (`engine.cpu_cores: shared`, the
   default): idle threads sleep, so a lone busy engine gets all the cores;
-- spinning: each has every core with libgomp's default wait policy (torch's own default).
+- spinning: each has every core with libgomp's default wait policy (torch's own default);
+- lent: shared, and the engines lend each other the cores by SLO slack (`engine.lend_cores`, the
+  default): the prefill claims the cores while it computes, and the decode, whose rows have a
+  `--tpot-ms` target, waits between steps while each row is ahead of it (actors/core_share.py).
+  Its "ms/step" then counts those waits: it is the time per output token a row sees.
 The figures are prefill tokens/s and decode milliseconds per step, measured in the same run; the
 ratios compare each configuration with split.
 
@@ -22,9 +26,11 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
+from actors.core_share import CORE_SHARE_ENV, CoreShare, DecodeYield, PrefillClaim, engine_rows
 from actors.worker_config import SHARED_CORES_ENV
 from bench.common import format_table, progress
 
@@ -33,19 +39,23 @@ CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
     "split": ("half", {}),
     "shared": ("all", SHARED_CORES_ENV),  # what `engine.cpu_cores: shared` sets in each worker
     "spinning": ("all", {}),
+    "lent": ("all", {**SHARED_CORES_ENV, CORE_SHARE_ENV: ""}),  # the claim file: one per bench run
 }
 
 
-def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: int, model: str) -> dict[str, float]:
+def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: int, model: str,
+            tpot_ms: float, dtype: str) -> dict[str, float]:
     """Runs in its own process (the wait policy is read when libgomp loads): one engine's figure."""
     import torch
 
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
+    from actors.engine.options import RequestOptions
     from actors.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(model, EngineConfig(dtype="float32", device="cpu", max_num_seqs=max(rows, 1),
+    share = CoreShare.from_env()  # "lent" only
+    engine = Engine.from_pretrained(model, EngineConfig(dtype=dtype, device="cpu", max_num_seqs=max(rows, 1),
                                                         max_num_batched_tokens=max(prompt_tokens, 64),
                                                         kv_cache_bytes=512 << 20))
     rng = random.Random(0)
@@ -54,7 +64,21 @@ def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: i
 
     def add(n: int, max_tokens: int) -> None:
         engine.add_request(f"r{next(ids)}", [rng.randrange(vocab) for _ in range(n)],
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           RequestOptions(tpot_target_s=tpot_ms * 1e-3))
+
+    claim = PrefillClaim(share) if share is not None and role == "prefill" else None
+    lender = DecodeYield(share) if share is not None and role == "decode" else None
+
+    def step() -> None:
+        if claim is not None:
+            claim.before_step(None)
+        elif lender is not None:
+            while (wait := lender.pause_s(engine_rows(engine))) > 0:
+                time.sleep(wait)
+        engine.step()
+        if claim is not None:
+            claim.after_step(engine, None)
 
     add(32, 2)  # warm-up: first-call costs out of the figures
     while engine.has_unfinished_requests():
@@ -65,7 +89,7 @@ def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: i
         while time.perf_counter() - start < seconds:
             add(prompt_tokens, 1)
             while engine.has_unfinished_requests():
-                engine.step()
+                step()
             tokens += prompt_tokens
         return {"prefill_tok_s": tokens / (time.perf_counter() - start)}
     for _ in range(rows):
@@ -74,7 +98,7 @@ def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: i
         engine.step()
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or steps == 0:
-        engine.step()
+        step()
         steps += 1
     return {"decode_step_ms": 1e3 * (time.perf_counter() - t0) / steps}
 
@@ -84,9 +108,11 @@ def _spawn(role: str, config: str, args: argparse.Namespace, cpus: int) -> subpr
     threads = max(1, cpus // 2) if threads_kind == "half" else cpus
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     env.update(extra_env)
+    if CORE_SHARE_ENV in extra_env:
+        env[CORE_SHARE_ENV] = args.core_share
     argv = [sys.executable, "-m", "bench.cores", "--worker", role, "--threads", str(threads),
             "--seconds", str(args.seconds), "--prompt-tokens", str(args.prompt_tokens), "--rows", str(args.rows),
-            "--model", args.model]
+            "--model", args.model, "--tpot-ms", str(args.tpot_ms), "--dtype", args.dtype]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -99,11 +125,15 @@ def _result(proc: subprocess.Popen[str]) -> dict[str, float]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    figures: dict[str, Any] = {"cpus": cpus, "prompt_tokens": args.prompt_tokens, "rows": args.rows,
+    figures: dict[str, Any] = {"cpus": cpus, "dtype": args.dtype, "tpot_ms": args.tpot_ms,
+                               "prompt_tokens": args.prompt_tokens, "rows": args.rows,
                                "seconds": args.seconds, "configs": {}}
+    args.core_share = os.path.join(tempfile.mkdtemp(prefix="ferry-cores-"), "claim")
     for config in CONFIGS:
         row: dict[str, float] = {}
-        for role in ("prefill", "decode"):  # each engine alone
+        if config == "lent":  # alone, nobody claims the cores: the same engines as "shared"
+            row.update({k: v for k, v in figures["configs"]["shared"].items() if k.startswith("alone_")})
+        for role in ("prefill", "decode") if config != "lent" else ():  # each engine alone
             progress(f"{config}: {role} alone")
             row.update({f"alone_{k}": v for k, v in _result(_spawn(role, config, args, cpus)).items()})
         progress(f"{config}: prefill beside decode")
@@ -123,7 +153,7 @@ def render(figures: dict[str, Any]) -> str:
              round(r["together_prefill_tok_s"]), round(r["together_decode_step_ms"], 1),
              round(r["alone_prefill_vs_split"], 2), round(r["together_prefill_vs_split"], 2)]
             for name, r in figures["configs"].items()]
-    title = (f"{figures['cpus']} CPUs, SmolLM2 float32: a {figures['prompt_tokens']}-token prefill process and a "
+    title = (f"{figures['cpus']} CPUs, SmolLM2 {figures['dtype']}: a {figures['prompt_tokens']}-token prefill process and a "
              f"{figures['rows']}-row decode process, {figures['seconds']:g} s each")
     return format_table(["cores", "prefill tok/s alone", "decode ms/step alone", "prefill tok/s together",
                          "decode ms/step together", "prefill alone vs split", "prefill together vs split"],
@@ -136,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--tpot-ms", type=float, default=200.0, help="the decode rows' TPOT target (lent)")
+    p.add_argument("--dtype", default="auto", help="the engines' dtype (auto: bfloat16 on CPUs with native bf16)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.threads, args.seconds, args.prompt_tokens, args.rows, args.model)))
+        print(json.dumps(_worker(args.worker, args.threads, args.seconds, args.prompt_tokens, args.rows, args.model,
+                                 args.tpot_ms, args.dtype)))
         return 0
     figures = measure(args)
     print(json.dumps(figures, indent=1) if args.json else render(figures))

@@ -114,7 +114,8 @@ class ClusterBackend:
                           "rss_mib": w.rss_mib, "kv_shadow_mib": round(w.shadow_bytes / 2**20, 1),
                           "kv_blocks_by_tenant": dict(w.kv_blocks_by_tenant),
                           "kv_offloaded_mib": round(w.offloaded_bytes / 2**20, 1),
-                          "kv_plan": w.kv_plan_report(), "speculation": w.spec_report()}
+                          "kv_plan": w.kv_plan_report(), "speculation": w.spec_report(),
+                          "cores_lent_s": round(w.cores_lent_s, 1)}
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         room = self.client.room  # requests waiting for a decode row now, and how many ever had to

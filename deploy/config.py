@@ -123,6 +123,10 @@ class EngineSection(ConfigSection):
         "shared", description="CPU engines: shared, every engine runs on all the node's cores and sleeps "
                               "when idle (OMP_WAIT_POLICY=PASSIVE), so a busy prefill gets the cores an idle "
                               "decode leaves; split, each engine keeps an equal part of the cores")
+    lend_cores: bool = Field(
+        True, description="CPU engines sharing the cores (cpu_cores shared): while a prefill engine computes, "
+                          "a decode engine on its node waits between steps as long as every row it runs is "
+                          "ahead of its TPOT target, so the prompt gets all the cores (actors/core_share.py)")
     torch_threads: int | None = Field(
         None, gt=0, description="threads each worker's kernels use; default: all of this node's CPUs "
                                 "(cpu_cores shared), or an equal split of them among the app's engines (split)")
@@ -204,7 +208,8 @@ class AppConfig(ConfigSection):
         """What each worker asks Ray for on a cluster with `cluster_gpus` GPUs now."""
         return plan_worker_resources(self.engine.device, self.num_engines, cluster_gpus,
                                      num_gpus_per_worker=self.engine.num_gpus_per_worker,
-                                     share_cores=self.engine.cpu_cores == "shared")
+                                     share_cores=self.engine.cpu_cores == "shared",
+                                     lend_cores=self.engine.lend_cores)
 
     def to_engine_config(self, resources: WorkerResources | None = None,
                          tenant_kv_shares: TenantShares | None = None) -> EngineConfig:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,6 +61,10 @@ class AsyncEngine:
         # Called after each step, engine lock held, with the step's outputs (KV shadowing): a hook
         # that raises is logged, never allowed to stop the engine.
         self.after_step: list[Callable[[Engine, list[RequestOutput]], None]] = []
+        # Called before each step, engine lock held: seconds to wait before it (a decode engine
+        # lending the node's cores to a prefill: actors/core_share.py); 0 steps at once. A hook
+        # that raises is logged and removed.
+        self.pause_before_step: Callable[[Engine], float] | None = None
         self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
         self._thread.start()
 
@@ -215,8 +220,24 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=10)
 
+    def _pause(self) -> float:
+        hook = self.pause_before_step
+        if hook is None:
+            return 0.0
+        try:
+            with self._lock:
+                return hook(self.engine)
+        except Exception:  # noqa: BLE001 - lending cores is an optimisation: never stop the engine for it
+            logger.exception("pause_before_step failed; the engine steps without it from now on")
+            self.pause_before_step = None
+            return 0.0
+
     def _loop(self) -> None:
         while not self._stopped:
+            wait = self._pause()
+            if wait > 0:
+                time.sleep(wait)
+                continue
             try:
                 # The forward pass runs outside the lock, so adds, aborts and KV handoffs wait for
                 # bookkeeping only, never for a whole step.

@@ -24,7 +24,7 @@ def test_every_configuration_measures_both_engines(tiny_model_dir: Path, capsys:
     assert cores.main(["--model", str(tiny_model_dir), "--seconds", "0.3", "--prompt-tokens", "32", "--rows", "2",
                        "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
-    assert set(figures["configs"]) == {"split", "shared", "spinning"} and figures["cpus"] == len(os.sched_getaffinity(0))
+    assert set(figures["configs"]) == {"split", "shared", "spinning", "lent"} and figures["cpus"] == len(os.sched_getaffinity(0))
     for row in figures["configs"].values():
         for key in ("alone_prefill_tok_s", "alone_decode_step_ms", "together_prefill_tok_s", "together_decode_step_ms"):
             assert row[key] > 0, (key, row)
