@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ferry-local-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="ferry-disagg's decode workers may prefill for themselves when the prefill workers are "
                         "queued (scheduler.local_prefill, on in deploy/serve.yaml)")
+    p.add_argument("--ferry-lend-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="ferry's decode engines yield a node's cores to a prefill while their rows are ahead of "
+                        "their TPOT targets (engine.lend_cores, on by default)")
     p.add_argument("--ferry-preempt-batch", action=argparse.BooleanOptionalAction, default=True,
                    help="ferry-disagg's interactive requests may take the decode rows of batch-class ones "
                         "(scheduler.preempt_batch; see --tenants and --batch-slo)")
@@ -236,6 +239,7 @@ def run_bench(a: argparse.Namespace) -> int:
                         ferry_dtype=a.ferry_dtype, ferry_stream_interval=a.ferry_stream_interval,
                         slo_ttft_ms=slos["default"].ttft_ms, slo_tpot_ms=slos["default"].tpot_ms,
                         ferry_local_prefill=a.ferry_local_prefill, ferry_preempt_batch=a.ferry_preempt_batch,
+                        ferry_lend_cores=a.ferry_lend_cores,
                         ferry_torch_threads=a.ferry_torch_threads, ferry_workers_as=a.ferry_workers_as,
                         ferry_kv_recovery=a.ferry_kv_recovery, ferry_speculation=a.ferry_speculation)
         for name in [s for s in a.systems.split(",") if s]:
