@@ -78,12 +78,16 @@ class AdmissionConfig:
 
 @dataclass(frozen=True, slots=True)
 class SloPrediction:
-    """What placement predicts for a request on its best workers (seconds from now)."""
+    """What placement predicts for a request on its best workers (seconds from now). `alone_*`:
+    the same on those workers with nothing else to do (no queue ahead, its row alone), the best
+    the system could ever do for it."""
 
     ttft_s: float
     tpot_s: float
     completion_s: float
     queue_wait_s: float
+    alone_ttft_s: float = 0.0
+    alone_tpot_s: float = 0.0
 
 
 class AdmissionController:
@@ -123,8 +127,12 @@ class AdmissionController:
         return None
 
     def check_slo(self, tenant: Tenant, req: RequestDesc, pred: SloPrediction) -> Refusal | None:
-        """Refuse when the best placement still misses the SLO by more than the tolerated factor.
-        The retry-after is the predicted excess: roughly when the backlog ahead will have drained."""
+        """Refuse when the best placement still misses the SLO by more than the tolerated factor
+        because of the load: a request that would miss it even alone (`alone_*`) is admitted, since
+        refusing it frees nothing it would take from others now and no retry can do better (and
+        on a cold or mis-fitted step-time model, refusing every request would also starve the model
+        of the steps that correct it). The retry-after is the predicted excess: roughly when the
+        backlog ahead will have drained."""
         slo = tenant.cfg.slo
         f = self.cfg.slo_refuse_factor
         rid = req.request_id
@@ -135,12 +143,12 @@ class AdmissionController:
         if isinstance(slo, InteractiveSlo):
             ttft_target = slo.ttft_ms / 1e3
             tpot_target = slo.tpot_ms / 1e3
-            if pred.ttft_s > f * ttft_target:
+            if pred.ttft_s > f * ttft_target and pred.alone_ttft_s <= f * ttft_target:
                 return Refusal(rid, RefusalReason.SLO_UNATTAINABLE,
                                self._clamp(pred.ttft_s - ttft_target),
                                f"predicted TTFT {pred.ttft_s * 1e3:.0f} ms (after {pred.queue_wait_s * 1e3:.0f} ms "
                                f"queued) > target {slo.ttft_ms:.0f} ms", pred.queue_wait_s)
-            if pred.tpot_s > f * tpot_target:
+            if pred.tpot_s > f * tpot_target and pred.alone_tpot_s <= f * tpot_target:
                 return Refusal(rid, RefusalReason.SLO_UNATTAINABLE, self._clamp(pred.queue_wait_s),
                                f"predicted TPOT {pred.tpot_s * 1e3:.1f} ms > target {slo.tpot_ms:.0f} ms",
                                pred.queue_wait_s)

@@ -149,8 +149,11 @@ class GlobalScheduler:
         tpot_s = decode_choice.step_s + decode_choice.wait_s / max(1, remaining_out - 1)
         if kind is PlacementKind.NEW and self.cfg.slo_admission:
             completion = ttft_s + decode_choice.wait_s + remaining_out * decode_choice.step_s
-            refusal = self.admission.check_slo(
-                tenant, desc, SloPrediction(ttft_s, tpot_s, completion, prefill_choice.wait_s))
+            w = decode_choice.worker
+            alone_tpot = self.models.get(w.name).predict_decode_step(1, num_tokens) / w.tokens_per_step
+            alone_ttft = elapsed + prefill_choice.fetch_s + prefill_choice.compute_s
+            refusal = self.admission.check_slo(tenant, desc, SloPrediction(
+                ttft_s, tpot_s, completion, prefill_choice.wait_s, alone_ttft, alone_tpot))
             if refusal is not None:
                 return refusal
         service_s = prefill_choice.fetch_s + prefill_choice.compute_s

@@ -9,7 +9,7 @@ from cluster.config import SchedulerConfig
 from cluster.placement import Placement
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig, TokenBucket
 from cluster.timeline import Stage
-from tests.cluster.helpers import R, T, desc, make
+from tests.cluster.helpers import R, T, W, desc, make
 
 
 def test_token_bucket_refills_and_goes_into_debt() -> None:
@@ -118,3 +118,35 @@ def test_a_tenant_whose_contract_says_queue_is_never_refused_for_a_predicted_mis
     placed = [sched.submit(desc(f"r{i}", prompt=2500)) for i in range(10)]
     assert all(isinstance(p, Placement) for p in placed)  # the shedding tenant above refuses from the 4th
     assert placed[-1].predicted_ttft_s > 0.3  # admitted knowing it will be late
+
+
+def test_a_miss_the_request_would_have_even_alone_is_not_shed() -> None:
+    # A 9,000-token prompt alone takes 5 ms + 324 ms + 48.6 ms attention under the prior: over
+    # 2 x 150 ms with nothing queued, so no load is to blame and refusing frees nothing: admitted.
+    tenant = TenantConfig(T("default"), slo=InteractiveSlo(ttft_ms=150, tpot_ms=50))
+    sched, _ = make(SchedulerConfig(default_tenant=tenant), prefill=1)
+    alone = sched.submit(desc("big", prompt=9000))
+    assert isinstance(alone, Placement) and alone.predicted_ttft_s > 0.3
+    # A short prompt queued behind it misses because of that load: shed, as before.
+    behind = sched.submit(desc("small", prompt=100))
+    assert isinstance(behind, Refusal) and behind.reason is RefusalReason.SLO_UNATTAINABLE
+
+
+def test_a_cold_step_model_that_overpredicts_a_lone_row_does_not_refuse_every_request() -> None:
+    # What a CPU decode worker reports after a few local prefills of long prompts beside the
+    # prefill worker: six ~1 s steps of 512 prefill tokens, one 40 ms decode step. Fitted
+    # against the GPU prior, most of the prefill time lands on the intercept, so a lone decode
+    # row is predicted at ~0.3-0.5 s, over 2x a 200 ms TPOT target. Before, every new request
+    # was refused on that prediction, so the model never got the decode steps that correct it.
+    from cluster.descriptors import StepSample, WorkerKind
+
+    from tests.cluster.helpers import load
+
+    tenant = TenantConfig(T("default"), slo=InteractiveSlo(ttft_ms=3000, tpot_ms=200))
+    sched, _ = make(SchedulerConfig(default_tenant=tenant, heartbeat_timeout_s=1e6), prefill=1, decode=1)
+    steps = tuple(StepSample(512, 512 * 256.0, 0, 0, 1.0) for _ in range(6)) + (StepSample(0, 0.0, 1, 1000, 0.04),)
+    sched.on_report(load("d0", WorkerKind.DECODE, steps=steps))
+    alone = sched.models.get(W("d0")).predict_decode_step(1, 1000)
+    assert alone > 0.4  # the over-prediction itself
+    placed = [sched.submit(desc(f"r{i}", prompt=1000, max_tokens=2)) for i in range(4)]
+    assert all(isinstance(p, Placement) for p in placed)
