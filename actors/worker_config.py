@@ -94,7 +94,7 @@ class WorkerResources:
     num_cpus: float = WORKER_NUM_CPUS
     num_gpus: float = 0.0
     share_cores: bool = False
-    lend_cores: bool = True  # with share_cores: decode engines yield to a node's prefill by SLO slack
+    lend_cores: bool = False  # with share_cores: decode engines yield to a node's prefill by SLO slack
 
     def __post_init__(self) -> None:
         if self.num_cpus < 0:
@@ -132,7 +132,7 @@ class WorkerResources:
 def plan_worker_resources(device: str, num_workers: int, cluster_gpus: float, *,
                           num_gpus_per_worker: float | None = None,
                           num_cpus: float = WORKER_NUM_CPUS, share_cores: bool = False,
-                          lend_cores: bool = True) -> WorkerResources:
+                          lend_cores: bool = False) -> WorkerResources:
     """Resources for each of `num_workers` workers whose engines are configured for `device`:
     "cpu"; "cuda" (or "cuda:N"), which asks for GPUs even when the cluster has none yet (an
     autoscaler starts a GPU node for the pending actors); or "auto", cuda when the cluster has GPUs

@@ -8,8 +8,8 @@ bench runs the same pair the way the app can: a prefill process repeatedly prefi
 - shared: each has every core, with OpenMP's passive wait policy (`engine.cpu_cores: shared`, the
   default): idle threads sleep, so a lone busy engine gets all the cores;
 - spinning: each has every core with libgomp's default wait policy (torch's own default);
-- lent: shared, and the engines lend each other the cores by SLO slack (`engine.lend_cores`, the
-  default): the prefill claims the cores while it computes, and the decode, whose rows have a
+- lent: shared, and the engines lend each other the cores by SLO slack (`engine.lend_cores`):
+  the prefill claims the cores while it computes, and the decode, whose rows have a
   `--tpot-ms` target, waits between steps while each row is ahead of it (actors/core_share.py).
   Its "ms/step" then counts those waits: it is the time per output token a row sees.
 The figures are prefill tokens/s and decode milliseconds per step, measured in the same run; the

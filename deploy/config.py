@@ -124,7 +124,7 @@ class EngineSection(ConfigSection):
                               "when idle (OMP_WAIT_POLICY=PASSIVE), so a busy prefill gets the cores an idle "
                               "decode leaves; split, each engine keeps an equal part of the cores")
     lend_cores: bool = Field(
-        True, description="CPU engines sharing the cores (cpu_cores shared): while a prefill engine computes, "
+        False, description="CPU engines sharing the cores (cpu_cores shared): while a prefill engine computes, "
                           "a decode engine on its node waits between steps as long as every row it runs is "
                           "ahead of its TPOT target, so the prompt gets all the cores (actors/core_share.py)")
     torch_threads: int | None = Field(

@@ -54,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ferry-local-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="ferry-disagg's decode workers may prefill for themselves when the prefill workers are "
                         "queued (scheduler.local_prefill, on in deploy/serve.yaml)")
-    p.add_argument("--ferry-lend-cores", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--ferry-lend-cores", action=argparse.BooleanOptionalAction, default=False,
                    help="ferry's decode engines yield a node's cores to a prefill while their rows are ahead of "
-                        "their TPOT targets (engine.lend_cores, on by default)")
+                        "their TPOT targets (engine.lend_cores, off by default)")
     p.add_argument("--ferry-preempt-batch", action=argparse.BooleanOptionalAction, default=True,
                    help="ferry-disagg's interactive requests may take the decode rows of batch-class ones "
                         "(scheduler.preempt_batch; see --tenants and --batch-slo)")

@@ -63,7 +63,7 @@ class PeerSpec:
     ferry_workers_as: str | None = None  # "deployments" or "actors"; None: the app's default
     ferry_kv_recovery: str | None = None  # "shadow" or "recompute" for every tenant; None: the app's default
     ferry_speculation: str | None = None  # engine.speculation.method; None: the app's default
-    ferry_lend_cores: bool = True  # engine.lend_cores: decode engines yield a node's cores to a prefill by slack
+    ferry_lend_cores: bool = False  # engine.lend_cores: decode engines yield a node's cores to a prefill by slack
 
 
 def free_port() -> int:
@@ -102,8 +102,8 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
             cfg["engine"]["speculation"] = {"method": spec.ferry_speculation}
         if not spec.ferry_preempt_batch:  # only when off: older snapshots (--ferry-src) do not know the key
             cfg["scheduler"]["preempt_batch"] = False
-        if not spec.ferry_lend_cores:  # only when off, likewise
-            cfg["engine"]["lend_cores"] = False
+        if spec.ferry_lend_cores:  # only when on: older snapshots (--ferry-src) do not know the key
+            cfg["engine"]["lend_cores"] = True
         tenant = {k: v for k, v in (("ttft_ms", spec.slo_ttft_ms), ("tpot_ms", spec.slo_tpot_ms),
                                     ("kv_recovery", spec.ferry_kv_recovery)) if v is not None}
         if tenant:

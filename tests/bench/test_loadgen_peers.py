@@ -31,9 +31,9 @@ def test_ferry_peers_get_a_valid_config_with_the_spec_applied(tmp_path: Path, na
     off = SchedulerSection.model_validate(read_args(Path(command(
         name, replace(spec, ferry_preempt_batch=False), 8124, tmp_path)[argv.index("--config") + 1]))["scheduler"])
     assert not off.to_scheduler_config().placement.preempt_batch
-    assert cfg.engine.lend_cores  # the app's default, left unsaid
-    unlent = read_args(Path(command(name, replace(spec, ferry_lend_cores=False), 8124, tmp_path)[argv.index("--config") + 1]))
-    assert unlent["engine"]["lend_cores"] is False
+    assert not cfg.engine.lend_cores  # the app's default, left unsaid
+    lent = read_args(Path(command(name, replace(spec, ferry_lend_cores=True), 8124, tmp_path)[argv.index("--config") + 1]))
+    assert lent["engine"]["lend_cores"] is True
     assert (sched.default_tenant.slo.ttft_ms, sched.default_tenant.slo.tpot_ms) == (3000, 250)
 
 

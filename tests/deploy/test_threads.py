@@ -31,10 +31,10 @@ def test_default_torch_threads_split_the_cpus(monkeypatch: pytest.MonkeyPatch, m
 
 def test_shared_cores_make_cpu_workers_sleep_when_idle() -> None:
     shared = AppConfig(model="smollm2").worker_resources(cluster_gpus=0.0)
-    assert shared.actor_options()["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE",
-                                                                  CORE_SHARE_ENV: default_core_share_path()}}
-    unlent = AppConfig(model="smollm2", engine={"lend_cores": False}).worker_resources(cluster_gpus=0.0)
-    assert unlent.actor_options()["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    assert shared.actor_options()["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    lent = AppConfig(model="smollm2", engine={"lend_cores": True}).worker_resources(cluster_gpus=0.0)
+    assert lent.actor_options()["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE",
+                                                                CORE_SHARE_ENV: default_core_share_path()}}
     split = AppConfig(model="smollm2", engine={"cpu_cores": "split"}).worker_resources(cluster_gpus=0.0)
     assert "runtime_env" not in split.actor_options()
     on_gpu = AppConfig(model="smollm2").worker_resources(cluster_gpus=1.0)  # CPU threads matter little there
