@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from kernels.quant import dequantize_kv_ref, quantize_int8_ref
 
+Q_BLOCK = 256  # prefill attention's query block (see paged_prefill_attention_ref)
+
 
 def write_kv_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -103,7 +105,13 @@ def paged_prefill_attention_ref(
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, int8 KV only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Ragged causal attention: each sequence's new tokens see its cached prefix and each other."""
+    """Ragged causal attention: each sequence's new tokens see its cached prefix and each other.
+
+    The new tokens attend in query blocks of `Q_BLOCK`, each over the context up to its own last
+    token, so the masked upper triangle is not computed (torch's CPU flash kernel tiles keys by 512
+    and computes a whole tile even where a causal mask hides it: one call over a 512-token chunk
+    costs as much causal as not). Measured on 2 CPU cores, SmolLM2's heads, a 1,024-token prompt
+    in two 512-token chunks: 17% less attention time than one call per chunk."""
     num_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
@@ -114,19 +122,21 @@ def paged_prefill_attention_ref(
         k = _gather(k_cache, k_scale, block_ids, seq_len).transpose(0, 1)  # [Hkv, L, D]
         v = _gather(v_cache, v_scale, block_ids, seq_len).transpose(0, 1)
         q = query[start:end].transpose(0, 1).to(k.dtype)  # [Hq, q_len, D]
-        # new token j sits at position seq_len - q_len + j and sees positions <= its own
-        prefix = seq_len - q_len
-        mask = None
-        if prefix:
-            pos_q = torch.arange(prefix, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
-        # 4-D inputs: on CPU that selects torch's flash-attention kernel (2-3x faster than the
-        # math fallback 3-D inputs get, measured at 100-512 tokens, float32 and bfloat16)
-        o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )[0]
-        out[start:end] = o.transpose(0, 1).to(query.dtype)
+        prefix = seq_len - q_len  # new token j sits at position prefix + j, sees positions <= its own
+        for b in range(0, q_len, Q_BLOCK):
+            b_end = min(q_len, b + Q_BLOCK)
+            ctx = prefix + b_end
+            mask = None
+            if prefix + b:
+                pos_q = torch.arange(prefix + b, ctx, device=query.device)
+                mask = torch.arange(ctx, device=query.device)[None, :] <= pos_q[:, None]
+            # 4-D inputs: on CPU that selects torch's flash-attention kernel (2-3x faster than the
+            # math fallback 3-D inputs get, measured at 100-512 tokens, float32 and bfloat16)
+            o = F.scaled_dot_product_attention(
+                q[None, :, b:b_end], k[None, :, :ctx], v[None, :, :ctx], attn_mask=mask, is_causal=mask is None,
+                scale=scale, enable_gqa=num_heads != num_kv_heads,
+            )[0]
+            out[start + b : start + b_end] = o.transpose(0, 1).to(query.dtype)
     return out
 
 

@@ -59,6 +59,23 @@ def test_prefill_ref_equals_dense(
         assert_close(out[qsl[i] : qsl[i + 1]], expected, dtype)
 
 
+@pytest.mark.parametrize("q_block", [7, 16, 256])
+def test_prefill_ref_in_query_blocks_equals_dense(monkeypatch: pytest.MonkeyPatch, q_block: int) -> None:
+    # queries longer than a block, with and without a cached prefix, blocks that do not divide
+    # them: each query block attends over the context up to its own last token
+    import kernels.reference as reference
+
+    monkeypatch.setattr(reference, "Q_BLOCK", q_block)
+    seq_lens, query_lens = [300, 45, 33], [300, 40, 16]
+    b = make_batch(seq_lens, query_lens, 6, 2, 64, 16, torch.float32)
+    out = paged_prefill_attention_ref(b.query, b.k_cache, b.v_cache, b.block_tables, seq_lens,
+                                      b.query_start_loc_list, SCALE)
+    qsl = b.query_start_loc_list
+    for i in range(len(seq_lens)):
+        expected = dense_causal_attention(b.query[qsl[i] : qsl[i + 1]], b.dense_k[i], b.dense_v[i], SCALE)
+        assert_close(out[qsl[i] : qsl[i + 1]], expected, torch.float32)
+
+
 def _caches(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     # a sentinel no write produces, so an untouched slot is recognisable
     if dtype == torch.int8:
