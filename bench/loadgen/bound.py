@@ -6,6 +6,13 @@ is a ceiling on requests/s that no scheduling can beat; a system's knee as a fra
 how much of the machine that system turns into goodput. It is measured in the harness process,
 before any server starts, with ferry's engine in the dtype its peers serve, on prompts of the
 workload's mean length chunked the way a served engine chunks them (512 tokens per step).
+
+The prefill bound ignores decoding, which shares the same cores. The compute bound counts it: with
+the engine's decode tokens/s at the servers' full batch (`decode_rows` rows of the workload's
+mean prompt length, decode-only steps, every core), one request costs mean prompt / prefill tokens/s
+plus mean output / decode tokens/s seconds of the whole machine, and 1 / that is the highest rate
+the machine could serve if nothing else cost anything: a full batch is decoding's cheapest
+per-token price, so this too is a ceiling, only a nearer one.
 """
 
 from __future__ import annotations
@@ -27,22 +34,38 @@ class PrefillBound:
     mean_prompt_tokens: float
     dtype: str
     threads: int
+    decode_tok_s: float | None = None  # decode-only steps at `decode_rows` rows; None: not measured
+    decode_rows: int = 0
+    mean_output_tokens: float = 0.0
 
     @property
     def rps(self) -> float:
         return self.prefill_tok_s / self.mean_prompt_tokens
 
-    def to_dict(self) -> dict[str, float | int | str]:
-        return {**asdict(self), "rps": self.rps}
+    @property
+    def compute_rps(self) -> float | None:
+        """The rate at which prefill plus decode take every core (see the module notes)."""
+        if not self.decode_tok_s:
+            return None
+        return 1.0 / (self.mean_prompt_tokens / self.prefill_tok_s + self.mean_output_tokens / self.decode_tok_s)
+
+    def to_dict(self) -> dict[str, float | int | str | None]:
+        return {**asdict(self), "rps": self.rps, "compute_rps": self.compute_rps}
 
     def describe(self) -> str:
-        return (f"prefill bound: {self.rps:.3f} rps = {self.prefill_tok_s:.0f} prefill tokens/s (ferry engine, "
+        text = (f"prefill bound: {self.rps:.3f} rps = {self.prefill_tok_s:.0f} prefill tokens/s (ferry engine, "
                 f"{self.dtype}, {self.threads} threads, {self.prompt_tokens}-token prompts) / "
                 f"{self.mean_prompt_tokens:.0f} mean prompt tokens")
+        if self.compute_rps is not None:
+            text += (f"; compute bound (prefill + decode): {self.compute_rps:.3f} rps = 1 / ("
+                     f"{self.mean_prompt_tokens:.0f} / {self.prefill_tok_s:.0f} + {self.mean_output_tokens:.0f} / "
+                     f"{self.decode_tok_s:.0f} decode tokens/s at {self.decode_rows} rows)")
+        return text
 
 
 def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: float, runs: int = 3,
-                          seed: int = 0) -> PrefillBound:
+                          seed: int = 0, mean_output_tokens: float = 0.0, decode_rows: int = 0,
+                          decode_steps: int = 16) -> PrefillBound:
     import torch
 
     from actors.engine.config import EngineConfig
@@ -52,9 +75,11 @@ def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: flo
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     n = max(1, round(mean_prompt_tokens))
-    engine = Engine.from_pretrained(model, EngineConfig(device="cpu", dtype=dtype, max_num_seqs=4,
+    rows = max(1, decode_rows)
+    engine = Engine.from_pretrained(model, EngineConfig(device="cpu", dtype=dtype, max_num_seqs=max(4, rows),
                                                         max_num_batched_tokens=CHUNK_TOKENS,
-                                                        max_model_len=n + 8, kv_cache_bytes=(n + 64) * 64 << 10,
+                                                        max_model_len=n + decode_steps + 8,
+                                                        kv_cache_bytes=rows * (n + decode_steps + 64) * 64 << 10,
                                                         enable_prefix_caching=False))
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
@@ -66,4 +91,30 @@ def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: flo
         engine.generate([prompt], params)
         if i:
             rates.append(n / (time.perf_counter() - t0))
-    return PrefillBound(statistics.median(rates), n, mean_prompt_tokens, engine.cfg.dtype, threads)
+    decode_tok_s = None
+    if decode_rows and mean_output_tokens > 0:
+        decode_tok_s = _decode_tok_s(engine, [[rng.randrange(100, vocab) for _ in range(n)] for _ in range(rows)],
+                                     decode_steps)
+    return PrefillBound(statistics.median(rates), n, mean_prompt_tokens, engine.cfg.dtype, threads,
+                        decode_tok_s, decode_rows if decode_tok_s else 0, mean_output_tokens)
+
+
+def _decode_tok_s(engine, prompts: list[list[int]], steps: int) -> float:  # noqa: ANN001 (an Engine)
+    """Tokens/s of decode-only steps once every prompt has its first token."""
+    from actors.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bound-decode-{i}", prompt, params)
+    started: set[str] = set()
+    t0, tokens = None, 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if t0 is None:
+            started |= {o.request_id for o in outputs if o.new_token_ids}
+            if len(started) == len(prompts):
+                t0 = time.perf_counter()  # decode-only steps from here
+        else:
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+    elapsed = time.perf_counter() - t0 if t0 is not None else 0.0
+    return tokens / elapsed if elapsed > 0 else 0.0

@@ -200,9 +200,11 @@ def _prefill_bound(a: argparse.Namespace, rate: float) -> PrefillBound | None:
         return None
     reqs, _ = build_workload(a, rate)
     mean_prompt = sum(r.prompt_len for r in reqs) / max(1, len(reqs))
-    print(f"[bench] measuring the prefill bound ({mean_prompt:.0f}-token prompts, {a.ferry_dtype})",
-          file=sys.stderr, flush=True)
-    bound = measure_prefill_bound(a.gguf, a.ferry_dtype, mean_prompt)
+    mean_output = sum(r.output_len for r in reqs) / max(1, len(reqs))
+    print(f"[bench] measuring the prefill and compute bounds ({mean_prompt:.0f}-token prompts, {a.ferry_dtype}; "
+          f"decode at {a.parallel} rows)", file=sys.stderr, flush=True)
+    bound = measure_prefill_bound(a.gguf, a.ferry_dtype, mean_prompt, mean_output_tokens=mean_output,
+                                  decode_rows=a.parallel)
     print(f"[bench] {bound.describe()}", file=sys.stderr, flush=True)
     return bound
 
@@ -265,7 +267,8 @@ def run_bench(a: argparse.Namespace) -> int:
     pngs = plot(results, a.knee_attainment, out)
     notes = sys.stderr if a.json else sys.stdout
     bound_rps = bound.rps if bound else None
-    print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment, bound_rps))
+    compute_rps = bound.compute_rps if bound else None
+    print((out / "results.json").read_text() if a.json else table(results, a.knee_attainment, bound_rps, compute_rps))
     if bound and not a.json:
         print(bound.describe())
     tenants = tenant_table(results)

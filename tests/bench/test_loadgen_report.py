@@ -93,3 +93,32 @@ def test_every_rate_shows_the_workers_serving_at_its_end(tmp_path: Path) -> None
     assert RatePoint.of(1.0, low.summary, [], workers={"colocated": 3}).worker_counts() == "colocated 3"
     write_json([SystemResult("a", [low, high])], meta, tmp_path / "r.json")
     assert '"decode": 2' in (tmp_path / "r.json").read_text()
+
+
+def test_the_compute_bound_counts_decode_and_gets_its_own_column(tmp_path: Path) -> None:
+    from bench.loadgen.bound import PrefillBound
+
+    # 1,000-token prompts at 4,000 tok/s (0.25 s) + 100 output tokens at 200 tok/s (0.5 s): 1/0.75 rps
+    b = PrefillBound(4000.0, 1000, 1000.0, "float32", 2, decode_tok_s=200.0, decode_rows=16,
+                     mean_output_tokens=100.0)
+    assert b.rps == 4.0 and abs(b.compute_rps - 1 / 0.75) < 1e-9
+    assert PrefillBound(4000.0, 1000, 1000.0, "float32", 2).compute_rps is None
+    assert "compute bound (prefill + decode): 1.333 rps" in b.describe()
+    results = [SystemResult("a", [_point(1, 10, 10)])]
+    lines = table(results, 0.9, bound_rps=b.rps, compute_rps=b.compute_rps).splitlines()
+    assert lines[0].split()[-8:] == ["knee", "/", "prefill", "bound", "knee", "/", "compute", "bound"]
+    assert lines[2].split()[-2:] == ["0.25", "0.75"]  # 1 rps of 4, and of 1.333
+    meta = {"machine": "m", "command": "c", "workload": "w", "slo": {}, "when": "now", "prefill_bound": b.to_dict()}
+    write_results_md(results, meta, 0.9, tmp_path / "R.md", [])
+    text = (tmp_path / "R.md").read_text()
+    assert "compute bound (prefill + decode): 1.333 rps" in text and "knee / compute bound" in text
+
+
+def test_the_bounds_are_measured_on_a_real_engine(tmp_path: Path) -> None:
+    from actors.engine.tiny_model import write_tiny_model
+    from bench.loadgen.bound import measure_prefill_bound
+
+    b = measure_prefill_bound(write_tiny_model(tmp_path, seed=0), "float32", 40.0, runs=1,
+                              mean_output_tokens=20.0, decode_rows=3, decode_steps=4)
+    assert b.prefill_tok_s > 0 and b.decode_tok_s and b.decode_tok_s > 0 and b.decode_rows == 3
+    assert b.compute_rps is not None and b.compute_rps < b.rps
