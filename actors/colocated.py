@@ -30,7 +30,7 @@ def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserv
                       kv_blocks_by_tenant=s.kv_blocks_by_tenant,
                       offloaded_bytes=s.offloaded_bytes, spec_method=s.spec_method,
                       num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
-                      num_spec_rounds=s.num_spec_rounds)
+                      num_spec_rounds=s.num_spec_rounds, num_decode_rows=s.num_decode_rows)
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

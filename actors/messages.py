@@ -192,11 +192,13 @@ class WorkerLoad:
     kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
     offloaded_bytes: int = 0  # host memory the KV of preempted batch requests takes (engine offload)
     # Speculative decoding (`EngineConfig.speculation`): the method, and the engine's cumulative
-    # draft tokens proposed and accepted, and steps that verified drafts, since it started.
+    # draft tokens proposed and accepted, rows that verified drafts (one per row and step), and
+    # decode rows (one per row and step, speculating or not), since it started.
     spec_method: str = "off"
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_rounds: int = 0
+    num_decode_rows: int = 0
     # Measured wall seconds per block the worker fetched from the prefix-cache pool, smoothed
     # (`PoolLink.fetch_s_per_block`); None where unknown: no pool, or no fetch has returned blocks yet.
     pool_fetch_s_per_block: float | None = None

@@ -125,10 +125,13 @@ class WorkerReport:
     cached_added: tuple[int, ...] = ()
     cached_removed: tuple[int, ...] = ()
     cached_full: frozenset[int] | None = None
-    # Speculative decoding, cumulative since the worker's engine started: the engine's steps that
-    # verified drafts, and the draft tokens accepted in them (each an output token without a step).
+    # Speculative decoding, cumulative since the worker's engine started: rows that verified drafts
+    # (one per speculating row and step), the draft tokens accepted in them (each an output token
+    # without a step), and decode rows, speculating or not (one per row and step; 0 or None from a
+    # worker that does not report them: it is then priced at 1 token per row-step).
     num_spec_rounds: int = 0
     num_accepted_tokens: int = 0
+    num_decode_rows: int | None = 0
     # Measured seconds to fetch one block from the shared prefix pool here (smoothed); None where
     # not measured yet: placement then prices this worker's pool hits with its configured constant.
     pool_fetch_s_per_block: float | None = None

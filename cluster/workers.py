@@ -52,11 +52,10 @@ class WorkerView:
     active_context_tokens: int = 0
     tpot_targets: MinTracker = field(default_factory=MinTracker)
     victims: VictimQueue[RequestId] = field(default_factory=VictimQueue)
-    # Output tokens per decode step and row, measured: 1 + accepted drafts per verification round
-    # (speculative decoding), 1 where the worker does not speculate. Its predicted TPOT is its
-    # step time over this. `spec_counters`: the last report's cumulative (rounds, accepted). The
-    # engine reports its steps that verified drafts as the rounds: exact while one row speculates a
-    # step; with several a step it overstates the factor (EngineStats counts steps, not rows).
+    # Output tokens per decode row-step, measured over every decode row-step, speculating or not:
+    # (rows + accepted drafts) / rows (speculative decoding), 1 where the worker does not speculate
+    # or does not report its decode rows. Its predicted TPOT is its step time over this.
+    # `spec_counters`: the last report's cumulative (decode rows, accepted).
     tokens_per_step: float = 1.0
     spec_counters: tuple[int, int] | None = None
     # Seconds to fetch one block from the shared prefix pool here, as the worker last measured it
@@ -74,7 +73,7 @@ class WorkerView:
         self.blocks_since_report = 0
         self.pool_fetch_s_per_block = load.pool_fetch_s_per_block  # already smoothed by the worker
         self.observe_steps(load.steps)
-        self.observe_speculation(load.num_spec_rounds, load.num_accepted_tokens)
+        self.observe_speculation(load.num_decode_rows, load.num_accepted_tokens)
 
     def observe_steps(self, steps: tuple[StepSample, ...]) -> None:
         """Measured steps: the mean context per decode row (what a new row's step will read)."""
@@ -84,17 +83,22 @@ class WorkerView:
             m = self.mean_context_tokens
             self.mean_context_tokens = measured if m is None else 0.5 * m + 0.5 * measured
 
-    def observe_speculation(self, num_rounds: int, num_accepted: int) -> None:
-        """Cumulative counters of a report: the rounds and acceptances since the last report give
-        1 + accepted / rounds, smoothed like the context per row (the first rounds seen count as
-        measured). Counters that went back mean a restarted worker: they count from 0."""
-        last, self.spec_counters = self.spec_counters, (num_rounds, num_accepted)
-        first = last is None or last[0] == 0
-        if last is None or num_rounds < last[0] or num_accepted < last[1]:
+    def observe_speculation(self, num_rows: int | None, num_accepted: int) -> None:
+        """Cumulative counters of a report: the decode rows (row-steps, speculating or not) and
+        acceptances since the last report give (rows + accepted) / rows, smoothed like the context
+        per row (the first rows seen count as measured). Counters that went back mean a restarted
+        worker: they count from 0. A report without decode rows (None or 0: a worker that does not
+        count them) prices the worker at 1 token per row-step."""
+        if not num_rows:
+            self.spec_counters, self.tokens_per_step = None, 1.0
+            return
+        last, self.spec_counters = self.spec_counters, (num_rows, num_accepted)
+        first = last is None
+        if last is None or num_rows < last[0] or num_accepted < last[1]:
             last = (0, 0)
-        rounds = num_rounds - last[0]
-        if rounds > 0:
-            measured = 1.0 + (num_accepted - last[1]) / rounds
+        rows = num_rows - last[0]
+        if rows > 0:
+            measured = 1.0 + (num_accepted - last[1]) / rows
             self.tokens_per_step = measured if first else 0.5 * self.tokens_per_step + 0.5 * measured
 
     def free_blocks(self) -> int:

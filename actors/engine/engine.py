@@ -339,6 +339,7 @@ class Engine(KVExchange):
             spec_method=self.cfg.speculation.method,
             num_spec_steps=self.spec.num_spec_steps,
             num_spec_rounds=self.spec.num_spec_rounds,
+            num_decode_rows=self.spec.num_decode_rows,
             num_draft_tokens=self.spec.num_draft_tokens,
             num_accepted_tokens=self.spec.num_accepted_tokens,
             num_steps=self._num_steps,

@@ -74,7 +74,9 @@ class EngineStats:
     kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()  # blocks charged to each tenant (block_pool.py)
     spec_method: str = "off"  # speculative decoding (spec/): the proposer, and its totals
     num_spec_steps: int = 0  # steps in which rows verified drafts
-    num_spec_rounds: int = 0  # rows that verified drafts, summed over those steps (1 + accepted / rounds: tokens per row-step)
+    num_spec_rounds: int = 0  # rows that verified drafts, summed over those steps
+    num_decode_rows: int = 0  # decode rows, speculating or not, summed over steps: (rows + accepted) / rows
+    # is the output tokens per decode row-step
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 

@@ -34,6 +34,7 @@ def worker_load(load: ActorWorkerLoad, now: float, block_size: int) -> WorkerRep
         num_free_blocks=max(0, min(load.num_free_blocks, load.num_total_blocks)),
         num_total_blocks=load.num_total_blocks, block_size=block_size, healthy=load.healthy, report_time=now,
         num_spec_rounds=load.num_spec_rounds, num_accepted_tokens=load.num_accepted_tokens,
+        num_decode_rows=load.num_decode_rows,
         pool_fetch_s_per_block=load.pool_fetch_s_per_block)
 
 

@@ -120,7 +120,8 @@ def load_of_engine(name: str, stats: EngineStats, *, healthy: bool, kind: Worker
                       stats.num_blocks_total, stats.last_step_s, healthy, process_rss_bytes(),
                       kv_blocks_by_tenant=stats.kv_blocks_by_tenant, offloaded_bytes=stats.offloaded_bytes,
                       spec_method=stats.spec_method, num_draft_tokens=stats.num_draft_tokens,
-                      num_accepted_tokens=stats.num_accepted_tokens, num_spec_rounds=stats.num_spec_rounds)
+                      num_accepted_tokens=stats.num_accepted_tokens, num_spec_rounds=stats.num_spec_rounds,
+                      num_decode_rows=stats.num_decode_rows)
 
 
 class EngineSource:

@@ -52,6 +52,10 @@ class SpecDecoder:
         self._tpot: dict[str, tuple[float, float | None]] = {}  # request -> (last token time, TPOT EMA)
         self.num_spec_steps = 0
         self.num_spec_rounds = 0  # rows verified, one per speculating row and step
+        # Decode rows, one per decode row and step, speculating or not (a prompt's last chunk is
+        # no decode row): the scheduler's tokens per row-step are (rows + accepted) / rows.
+        self.num_decode_rows = 0
+        self._step_decode_rows = 0  # this step's, counted in `plan`, added in `sample`
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._draft_s = 0.0
@@ -64,6 +68,8 @@ class SpecDecoder:
     def plan(self, batch: ScheduledBatch, chunks: list[SeqChunk], budget: int) -> list[DraftRow]:
         """Chooses the speculating rows of a scheduled step and their k, takes their extra slots and
         rewrites their chunks (n-gram drafts go in now; a model drafter's in `draft`)."""
+        self._step_decode_rows = sum(c.needs_logits and self._is_decode(req, c)
+                                     for req, c in zip(batch.requests, chunks))
         if not self.enabled:
             return []
         cands: list[tuple[int, Request, list[int], Candidate]] = []
@@ -102,11 +108,16 @@ class SpecDecoder:
             chunks[i] = self._verify_chunk(row)
         return rows
 
+    @staticmethod
+    def _is_decode(req: Request, chunk: SeqChunk) -> bool:
+        """A decode row: one token to compute, after an output token (not a prompt or a replay)."""
+        return (len(chunk.token_ids) == 1 and req.num_tokens - req.num_computed_tokens == 1
+                and not req.prefill_only and req.num_output_tokens > 0)
+
     def _max_k(self, req: Request, chunk: SeqChunk) -> int:
-        """Drafts a row may verify: a decode row (one token to compute, not a prompt or a replay)
-        of a request that allows it, short of its max_tokens and of the model's length."""
-        if (not req.speculation or len(chunk.token_ids) != 1 or req.num_tokens - req.num_computed_tokens != 1
-                or req.prefill_only or req.num_output_tokens == 0):
+        """Drafts a row may verify: a decode row of a request that allows it, short of its
+        max_tokens and of the model's length."""
+        if not req.speculation or not self._is_decode(req, chunk):
             return 0
         left = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         return max(0, min(self.cfg.max_draft_tokens, left))
@@ -172,6 +183,8 @@ class SpecDecoder:
             out.append((list(tokens), list(lps)))
         self.num_spec_steps += bool(rows)
         self.num_spec_rounds += len(rows)
+        self.num_decode_rows += self._step_decode_rows
+        self._step_decode_rows = 0
         return out
 
     def _rejection_sample(self, logits: torch.Tensor, req: Request, r: DraftRow,
