@@ -180,7 +180,8 @@ def _run_rates(a: argparse.Namespace, url: str, model: str, rates: list[float], 
         print(f"  {result.name} @ {rate:g} rps: sent {s.num_sent}, ok {s.completed}, goodput {s.goodput:.3f} rps, "
               f"attainment {s.attainment:.2f}, P99 TTFT {s.ttft_ms['p99']:.0f} ms, P99 TPOT {s.tpot_ms['p99']:.0f} ms; "
               f"answered but over TTFT {s.missed['ttft']}, over TPOT {s.missed['tpot']}"
-              + (f"; workers P/D {result.points[-1].worker_counts()}" if result.points[-1].workers else ""),
+              + (f"; workers P/D {result.points[-1].worker_counts()}" if result.points[-1].workers else "")
+              + (f"; {s.failures_text()}" if s.failed else ""),
               file=sys.stderr, flush=True)
 
 

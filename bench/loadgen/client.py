@@ -70,6 +70,17 @@ def _request_id(values: list[str]) -> str | None:
     return (ours or values or [None])[0]
 
 
+def _error_code(body: bytes) -> str | None:
+    """`error.code` of an OpenAI-style error body (ferry: `{"error": {"code": "slo_unattainable", ...}}`),
+    else None."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = err.get("code") if isinstance(err, dict) else None
+    return str(code) if code else None
+
+
 async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest, index: int,
                rec: ClientRecord) -> None:
     body = {"model": cfg.model, "prompt": prompt_text(req, index, cfg.salt), "max_tokens": req.output_len,
@@ -83,8 +94,11 @@ async def _one(client: httpx2.AsyncClient, cfg: ClientConfig, req: BenchRequest,
     rec.send_s = time.perf_counter()
     async with client.stream("POST", cfg.completions_url, json=body, headers=headers) as resp:
         rec.request_id = _request_id(resp.headers.get_list("x-request-id"))
+        rec.status = resp.status_code
         if resp.status_code != 200:
-            rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            body = await resp.aread()
+            rec.error = f"HTTP {resp.status_code}: {body[:200]!r}"
+            rec.error_code = _error_code(body)
             return
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
@@ -123,7 +137,7 @@ async def replay(cfg: ClientConfig, workload: list[BenchRequest]) -> tuple[list[
                     async with sem:
                         await _one(client, cfg, req, i, rec)
             except asyncio.CancelledError:
-                rec.error = "cancelled at the time bound"
+                rec.error, rec.cancelled = "cancelled at the time bound", True
             except (httpx2.HTTPError, json.JSONDecodeError, OSError) as e:
                 rec.error = f"{type(e).__name__}: {e}"
 

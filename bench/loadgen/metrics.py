@@ -7,6 +7,9 @@ it, else the number of text chunks). Then, per successful request:
   ITL  = the gaps between consecutive text chunks;
   TPOT = (E2E - TTFT) / (output tokens - 1), only for outputs of more than one token
          (a 1-token output counts as TPOT 0 for goodput, and is left out of TPOT percentiles).
+A failed request is one of: *refused* (429/503 whose OpenAI error body names a code, e.g.
+`slo_unattainable`), *refused without a reason* (429/503 without one), *lost* (still unanswered
+at the time bound: hung, as a client sees it), or another *error* (`failure_kind`).
 A request is *good* when it succeeded and meets every SLO given (value <= SLO, in ms); goodput is
 good requests / benchmark duration; attainment is good / all sent, per tenant. Percentiles are
 numpy's linear interpolation, as vLLM's. Failed requests count in no latency, only against
@@ -53,6 +56,9 @@ class ClientRecord:
     tenant: str = "default"
     slo_class: str = "default"
     request_id: str | None = None  # the server's x-request-id (ferry's timelines are keyed by it)
+    status: int | None = None  # the HTTP status of the answer; None: no answer (transport error, cancelled)
+    error_code: str | None = None  # an error answer's `error.code` (OpenAI error body), e.g. slo_unattainable
+    cancelled: bool = False  # still unanswered when the time bound ran out: lost or hung, as a client sees it
 
     @property
     def num_output(self) -> int:
@@ -75,6 +81,20 @@ class ClientRecord:
         """0 for 1-token outputs (vLLM's convention for the goodput check)."""
         n = self.num_output
         return (self.e2el_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+
+
+FAILURE_KINDS = ("refused", "refused_no_reason", "lost", "error")
+
+
+def failure_kind(r: ClientRecord) -> str | None:
+    """None for a success, else one of `FAILURE_KINDS`."""
+    if r.success and r.chunk_s:
+        return None
+    if r.cancelled:
+        return "lost"
+    if r.status in (429, 503):
+        return "refused" if r.error_code else "refused_no_reason"
+    return "error"
 
 
 def is_good(r: ClientRecord, slo: Slo) -> bool:
@@ -108,9 +128,20 @@ class Summary:
     tenants: dict[str, dict[str, float]]  # tenant -> {sent, ok, good, attainment, ttft_p99_ms, tpot_p99_ms}
     # completed requests over each promise (one request may miss both): which SLO the misses come from
     missed: dict[str, int] = field(default_factory=dict)
+    # failed requests by `failure_kind`, and refusals by their error code
+    failures: dict[str, int] = field(default_factory=dict)
+    refusal_codes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    def failures_text(self) -> str:
+        """e.g. `12 failed: 12 refused with a reason (slo_unattainable 12), 0 lost, 0 other errors`."""
+        f = self.failures
+        codes = ", ".join(f"{c} {n}" for c, n in sorted(self.refusal_codes.items()))
+        return (f"{self.failed} failed: {f.get('refused', 0)} refused with a reason" + (f" ({codes})" if codes else "")
+                + f", {f.get('refused_no_reason', 0)} refused without one, {f.get('lost', 0)} lost (unanswered at"
+                f" the time bound), {f.get('error', 0)} other errors")
 
 
 def summarize(records: list[ClientRecord], duration_s: float, slos: dict[str, Slo]) -> Summary:
@@ -136,6 +167,13 @@ def summarize(records: list[ClientRecord], duration_s: float, slos: dict[str, Sl
                                    ("e2el", slo.e2el_ms, r.e2el_s)):
             if limit is not None and value * 1000.0 > limit:
                 missed[name] += 1
+    failures = dict.fromkeys(FAILURE_KINDS, 0)
+    codes: dict[str, int] = {}
+    for r in records:
+        if (kind := failure_kind(r)) is not None:
+            failures[kind] += 1
+            if kind == "refused":
+                codes[r.error_code] = codes.get(r.error_code, 0) + 1
     return Summary(
         num_sent=len(records), completed=len(ok), failed=len(records) - len(ok), duration_s=duration_s,
         request_throughput=len(ok) / dur, output_throughput=sum(r.num_output for r in ok) / dur,
@@ -144,4 +182,5 @@ def summarize(records: list[ClientRecord], duration_s: float, slos: dict[str, Sl
         tpot_ms=_stats_ms([r.tpot_s for r in ok if r.num_output > 1]),
         itl_ms=_stats_ms([g for r in ok for g in r.itl_s]),
         e2el_ms=_stats_ms([r.e2el_s for r in ok]), tenants=tenants, missed=missed,
+        failures=failures, refusal_codes=codes,
     )

@@ -221,6 +221,11 @@ def write_results_md(results: list[SystemResult], meta: dict[str, Any], target: 
                   "", "```", format_table(
             ["system", "rate rps", "sent", "ok", "goodput rps", "attain", "P99 TTFT ms", "P99 TPOT ms",
              "P99 ITL ms", "P99 E2E ms", "workers P/D"], sweep), "```", ""]
+    failed = [f"- {r.name} at {p.rate_rps:g} rps: {p.summary.failures_text()} of {p.summary.num_sent} sent"
+              for r in results for p in sorted(r.points, key=lambda p: p.rate_rps) if p.summary.failed]
+    if failed:
+        lines += ["## Failed requests", "", "Why each rate's failed requests failed: refused (429/503) with the reason in the error",
+                  "body, refused without one, lost (still unanswered at the time bound), or another error.", "", *failed, ""]
     tenants = tenant_table(results)
     if tenants:
         lines += ["## Tenants", "", "SLO attainment per tenant; batch rows preempted and resumed (the ingress's counts) during",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -22,6 +23,28 @@ TIMELINES: dict[str, dict[str, object]] = {}
 PROBE_ANSWER = {"text": " Paris. It is the largest city"}  # request id -> what GET /v1/requests/{id}/timeline answers  # /health answers like a ferry cluster only when "on"
 
 
+# max_tokens -> how the fake fails that request: "shed" (429 with an OpenAI error body naming its code),
+# "bare" (429 with a body that is not JSON), "crash" (500), "hang" (headers, then nothing for 3 s)
+FAILING = {91: "shed", 92: "bare", 93: "crash", 94: "hang"}
+
+
+def _fail(h: BaseHTTPRequestHandler, how: str) -> None:
+    if how == "hang":
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.end_headers()
+        h.wfile.flush()
+        time.sleep(3.0)
+        return
+    body = {"shed": json.dumps({"error": {"message": "Request refused: slo_unattainable: predicted TTFT 6628 ms",
+                                          "type": "rate_limit_error", "code": "slo_unattainable"}}),
+            "bare": "too busy", "crash": "oops"}[how].encode()
+    h.send_response(500 if how == "crash" else 429)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
 class _Fake(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -32,6 +55,9 @@ class _Fake(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
             self.wfile.write(answer)
+            return
+        if (how := FAILING.get(int(body["max_tokens"]))) is not None:
+            _fail(self, how)
             return
         self.send_response(200)
         self.send_header("x-request-id", "serve-proxy-id")  # Ray Serve's proxy adds its own id too
@@ -102,6 +128,27 @@ def test_replay_records_tokens_from_usage_and_sends_stream_options(server: str) 
     assert SEEN[0]["slo_class"] == "batch" and len(str(SEEN[1]["prompt"]).split()) == 7
     s = summarize(records, dur, {"default": Slo(ttft_ms=60_000)})
     assert s.completed == 2 and s.goodput > 0
+
+
+def test_failed_requests_are_told_apart_refused_with_reason_lost_or_other(server: str, tmp_path) -> None:
+    # At 2x the knee a server may refuse, but each refusal must carry its reason, and nothing may be
+    # lost: the harness must tell those apart, or "12 failed" hides a hang behind a shed.
+    from bench.loadgen.report import RatePoint, SystemResult, write_results_md
+
+    reqs = [BenchRequest(0.0, 5, n) for n in (4, 91, 91, 92, 93, 94)]
+    records, dur = asyncio.run(replay(ClientConfig(url=server, model="m", duration_s=0.5, grace_s=1.0), reqs))
+    s = summarize(records, dur, {"default": Slo(ttft_ms=60_000)})
+    assert s.completed == 1 and s.failed == 5
+    assert s.failures == {"refused": 2, "refused_no_reason": 1, "lost": 1, "error": 1}
+    assert s.refusal_codes == {"slo_unattainable": 2}
+    assert [r.status for r in records] == [200, 429, 429, 429, 500, 200]
+    text = s.failures_text()
+    assert text.startswith("5 failed: 2 refused with a reason (slo_unattainable 2), 1 refused without one, 1 lost")
+    result = SystemResult("fake")
+    result.points.append(RatePoint.of(1.0, s, records, {}, None, None, None))
+    md = tmp_path / "RESULTS.md"
+    write_results_md([result], {"machine": "m", "command": "c", "workload": "w", "slo": {}, "when": "now"}, 0.9, md, [])
+    assert f"- fake at 1 rps: {text} of 6 sent" in md.read_text()
 
 
 def test_replay_counts_refused_connections_as_failed() -> None:
