@@ -76,10 +76,11 @@ def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: flo
     torch.set_num_threads(threads)
     n = max(1, round(mean_prompt_tokens))
     rows = max(1, decode_rows)
+    room = rows * -(-n // CHUNK_TOKENS) + decode_steps + 8  # tokens a decode row may emit (`_decode_tok_s`)
     engine = Engine.from_pretrained(model, EngineConfig(device="cpu", dtype=dtype, max_num_seqs=max(4, rows),
                                                         max_num_batched_tokens=CHUNK_TOKENS,
-                                                        max_model_len=n + decode_steps + 8,
-                                                        kv_cache_bytes=rows * (n + decode_steps + 64) * 64 << 10,
+                                                        max_model_len=n + room,
+                                                        kv_cache_bytes=rows * (n + room + 64) * 64 << 10,
                                                         enable_prefix_caching=False))
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
@@ -100,21 +101,29 @@ def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: flo
 
 
 def _decode_tok_s(engine, prompts: list[list[int]], steps: int) -> float:  # noqa: ANN001 (an Engine)
-    """Tokens/s of decode-only steps once every prompt has its first token."""
+    """Tokens/s of `steps` decode-only steps with every prompt's row decoding. The prompts are
+    prefilled one after another, so the first to start decodes while the last still prefills:
+    each may emit as many tokens as there are prefill steps before the window, plus the window
+    (plus one step of warm-up), and every row is still running when the window is timed; then
+    they are aborted."""
     from actors.engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"bound-decode-{i}", prompt, params)
+    chunk = engine.cfg.max_num_batched_tokens
+    room = sum(-(-len(p) // chunk) for p in prompts) + steps + 4
+    params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
+    ids = [f"bound-decode-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
     started: set[str] = set()
-    t0, tokens = None, 0
-    while engine.has_unfinished_requests():
+    while len(started) < len(prompts) and engine.has_unfinished_requests():
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    engine.step()  # warm-up: the first step at the full batch's shapes
+    t0, tokens = time.perf_counter(), 0
+    for _ in range(steps):
         outputs = engine.step()
-        if t0 is None:
-            started |= {o.request_id for o in outputs if o.new_token_ids}
-            if len(started) == len(prompts):
-                t0 = time.perf_counter()  # decode-only steps from here
-        else:
-            tokens += sum(len(o.new_token_ids) for o in outputs)
-    elapsed = time.perf_counter() - t0 if t0 is not None else 0.0
+        assert len([o for o in outputs if o.new_token_ids]) == len(prompts), "a row stopped inside the window"
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+    elapsed = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
     return tokens / elapsed if elapsed > 0 else 0.0

@@ -122,3 +122,27 @@ def test_the_bounds_are_measured_on_a_real_engine(tmp_path: Path) -> None:
                               mean_output_tokens=20.0, decode_rows=3, decode_steps=4)
     assert b.prefill_tok_s > 0 and b.decode_tok_s and b.decode_tok_s > 0 and b.decode_rows == 3
     assert b.compute_rps is not None and b.compute_rps < b.rps
+
+
+def test_the_compute_bound_times_decode_with_every_row_decoding(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Prompts prefill one after another (here 3 chunks of 16 tokens each), so the first row decodes
+    # while the last prefills; a window opened when the last row starts must not see the first
+    # ones finish, or "decode at 3 rows" is measured at fewer.
+    from actors.engine.engine import Engine
+    from actors.engine.tiny_model import write_tiny_model
+    from bench.loadgen import bound
+
+    rows_per_step: list[int] = []
+    step = Engine.step
+
+    def counting(self):  # type: ignore[no-untyped-def]
+        outputs = step(self)
+        rows_per_step.append(sum(1 for o in outputs if o.new_token_ids and o.request_id.startswith("bound-decode")))
+        return outputs
+
+    monkeypatch.setattr(Engine, "step", counting)
+    monkeypatch.setattr(bound, "CHUNK_TOKENS", 16)
+    b = bound.measure_prefill_bound(write_tiny_model(tmp_path, seed=0), "float32", 40.0, runs=1,
+                                    mean_output_tokens=20.0, decode_rows=3, decode_steps=4)
+    assert b.decode_tok_s and b.decode_tok_s > 0
+    assert rows_per_step[-5:] == [3, 3, 3, 3, 3]  # the warm-up step and the 4 timed ones
