@@ -76,7 +76,9 @@ def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: flo
     torch.set_num_threads(threads)
     n = max(1, round(mean_prompt_tokens))
     rows = max(1, decode_rows)
-    room = rows * -(-n // CHUNK_TOKENS) + decode_steps + 8  # tokens a decode row may emit (`_decode_tok_s`)
+    # Tokens a decode row may emit (`_decode_tok_s`): a prefill step per chunk of every prompt
+    # before the window, a warm-up step, the window, and a margin.
+    room = rows * -(-n // CHUNK_TOKENS) + decode_steps + 4
     engine = Engine.from_pretrained(model, EngineConfig(device="cpu", dtype=dtype, max_num_seqs=max(4, rows),
                                                         max_num_batched_tokens=CHUNK_TOKENS,
                                                         max_model_len=n + room,
@@ -95,22 +97,19 @@ def measure_prefill_bound(model: str | Path, dtype: str, mean_prompt_tokens: flo
     decode_tok_s = None
     if decode_rows and mean_output_tokens > 0:
         decode_tok_s = _decode_tok_s(engine, [[rng.randrange(100, vocab) for _ in range(n)] for _ in range(rows)],
-                                     decode_steps)
+                                     decode_steps, room)
     return PrefillBound(statistics.median(rates), n, mean_prompt_tokens, engine.cfg.dtype, threads,
                         decode_tok_s, decode_rows if decode_tok_s else 0, mean_output_tokens)
 
 
-def _decode_tok_s(engine, prompts: list[list[int]], steps: int) -> float:  # noqa: ANN001 (an Engine)
+def _decode_tok_s(engine, prompts: list[list[int]], steps: int, max_tokens: int) -> float:  # noqa: ANN001 (an Engine)
     """Tokens/s of `steps` decode-only steps with every prompt's row decoding. The prompts are
     prefilled one after another, so the first to start decodes while the last still prefills:
-    each may emit as many tokens as there are prefill steps before the window, plus the window
-    (plus one step of warm-up), and every row is still running when the window is timed; then
-    they are aborted."""
+    `max_tokens` must cover the prefill steps before the window, one warm-up step and the window,
+    so every row still runs while the window is timed; then they are aborted."""
     from actors.engine.sampling import SamplingParams
 
-    chunk = engine.cfg.max_num_batched_tokens
-    room = sum(-(-len(p) // chunk) for p in prompts) + steps + 4
-    params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"bound-decode-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
@@ -121,7 +120,8 @@ def _decode_tok_s(engine, prompts: list[list[int]], steps: int) -> float:  # noq
     t0, tokens = time.perf_counter(), 0
     for _ in range(steps):
         outputs = engine.step()
-        assert len([o for o in outputs if o.new_token_ids]) == len(prompts), "a row stopped inside the window"
+        if sum(1 for o in outputs if o.new_token_ids) != len(prompts):
+            raise RuntimeError("a decode row stopped inside the timed window: max_tokens too small")
         tokens += sum(len(o.new_token_ids) for o in outputs)
     elapsed = time.perf_counter() - t0
     for rid in ids:

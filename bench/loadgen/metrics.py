@@ -136,7 +136,8 @@ class Summary:
         return asdict(self)
 
     def failures_text(self) -> str:
-        """e.g. `12 failed: 12 refused with a reason (slo_unattainable 12), 0 lost, 0 other errors`."""
+        """e.g. `12 failed: 12 refused with a reason (slo_unattainable 12), 0 refused without one,
+        0 lost (unanswered at the time bound), 0 other errors`."""
         f = self.failures
         codes = ", ".join(f"{c} {n}" for c, n in sorted(self.refusal_codes.items()))
         return (f"{self.failed} failed: {f.get('refused', 0)} refused with a reason" + (f" ({codes})" if codes else "")
