@@ -106,6 +106,15 @@ class StepTimeModel:
         if refit:
             self.refit()
 
+    def center_on(self, theta: tuple[float, ...]) -> None:
+        """Move the prior's centre to `theta` (scaled units, as `theta` returns). Only a model
+        without samples of its own moves: once a worker has measured steps, its prior is fixed."""
+        if self.num_samples:
+            return
+        self._l0_theta0 = self._l0 @ np.asarray(theta, dtype=np.float64)
+        self._theta = tuple(theta)
+        self._dirty = False
+
     def refit(self) -> None:
         if not self._dirty:
             return
@@ -177,17 +186,61 @@ def chunk_tokens(theta: tuple[float, ...], room_s: float, num_cached_tokens: flo
 
 
 class CostModelBank:
-    """One `StepTimeModel` per worker, created from the shared prior on first sight."""
+    """One `StepTimeModel` per worker, plus one per group of workers (their kind: prefill, decode,
+    both), fitted to all the group's steps: the fleet's fit.
+
+    A worker with no measured steps yet (just started, scaled up, restarted) borrows its group's
+    fit as its prior instead of the static `StepCostPrior`, which is an order of magnitude for a
+    model and device that may not be this one (on a CPU box it is ~50x optimistic). Without this an
+    unmeasured worker looks far faster than its measured peers, and placement sends it the work a
+    measured peer holds the prefix for. Groups keep like with like: a prefill worker's few first
+    steps fit an intercept that mixing in decode workers' short steps would pull down, so that a
+    fresh prefill worker would again look cheaper than the one holding the prefix. A worker's prior
+    is fixed at its first own step; its own steps take over from there (`StepCostPrior.strength`
+    steps' worth of evidence). One scheduler serves one model; on a mixed-device fleet a group's
+    fit is its mean device, still nearer than a constant.
+    """
 
     def __init__(self, prior: StepCostPrior) -> None:
         self.prior = prior
         self._models: dict[WorkerName, StepTimeModel] = {}
+        self._group_of: dict[WorkerName, str] = {}
+        self._fleets: dict[str, StepTimeModel] = {}
 
-    def get(self, worker: WorkerName) -> StepTimeModel:
+    def fleet(self, group: str = "") -> StepTimeModel:
+        model = self._fleets.get(group)
+        if model is None:
+            model = self._fleets[group] = StepTimeModel(self.prior)
+        return model
+
+    def get(self, worker: WorkerName, group: str | None = None) -> StepTimeModel:
+        """The worker's model (created on first sight); `group` (its kind) files it with its peers,
+        once known. A model without steps of its own starts at its group's fit."""
+        if group is not None:
+            self._group_of[worker] = group
         model = self._models.get(worker)
         if model is None:
             model = self._models[worker] = StepTimeModel(self.prior)
+        fleet = self._fleets.get(self._group_of.get(worker, ""))
+        if fleet is not None and fleet.num_samples and not model.num_samples:
+            model.center_on(fleet.theta)
         return model
+
+    def observe(self, worker: WorkerName, samples: tuple[StepSample, ...]) -> None:
+        """A worker's measured steps: they fit its own model and its group's; every worker of the
+        group still without steps of its own follows the group's new fit."""
+        model = self.get(worker)
+        model.observe_all(samples)
+        if not model.num_samples:  # nothing usable (broken timers): the group learns nothing either
+            return
+        group = self._group_of.get(worker, "")
+        fleet = self.fleet(group)
+        fleet.observe_all(samples)
+        theta = fleet.theta
+        for name, other in self._models.items():
+            if not other.num_samples and self._group_of.get(name, "") == group:
+                other.center_on(theta)
 
     def drop(self, worker: WorkerName) -> None:
         self._models.pop(worker, None)
+        self._group_of.pop(worker, None)

@@ -208,7 +208,7 @@ class GlobalScheduler:
         """A worker's load report (also its heartbeat)."""
         self.workers.upsert(load, self.clock.now())
         if load.steps:
-            self.models.get(load.name).observe_all(load.steps)
+            self.models.observe(load.name, load.steps)
         if load.cached_full is not None:
             self.index.replace(load.name, load.cached_full)
         self.index.remove(load.name, load.cached_removed)
@@ -232,7 +232,7 @@ class GlobalScheduler:
             return
         new = self.telemetry.accept(t)
         if new.steps:
-            self.models.get(t.name).observe_all(new.steps)
+            self.models.observe(t.name, new.steps)
             view.observe_steps(new.steps)
         if new.cached_full is not None:
             self.index.replace(t.name, new.cached_full)

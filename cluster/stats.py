@@ -55,6 +55,7 @@ class WorkerStats:
     free_blocks: int
     decode_batch_cap: int
     step_model_coefficients: tuple[float, ...]
+    step_model_samples: int = 0  # the worker's own measured steps; 0: it borrows the fleet's fit
 
 
 @dataclass(slots=True)

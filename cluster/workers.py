@@ -148,7 +148,7 @@ class WorkerRegistry:
         changed = view is None or view.healthy != load.healthy or view.kind != load.kind
         if view is None:
             view = self._views[load.name] = WorkerView(load.name, load.kind, self.default_max_num_seqs,
-                                                       self.models.get(load.name))
+                                                       self.models.get(load.name, load.kind.value))
         view.kind = load.kind
         view.apply_report(load, now)
         if changed:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cluster.cost_model import StepCostPrior, StepTimeModel, prefill_pairs
+from cluster.cost_model import CostModelBank, StepCostPrior, StepTimeModel, prefill_pairs
 from cluster.descriptors import StepSample
 
 TRUE = (0.004, 2.5e-5, 2.0e-9, 6.0e-5, 5.0e-8)  # s, s/token, s/pair, s/row, s/context token
@@ -63,3 +63,42 @@ def test_unobserved_directions_stay_at_the_prior_and_bad_samples_are_ignored() -
     # A decode-only worker never sees prefill work: those coefficients stay near the prior.
     assert model.coefficients[1] == pytest.approx(prior.coef[1] * 1e-3, rel=0.05)
     assert model.coefficients[3] == pytest.approx(TRUE[3], rel=0.1)
+
+
+def test_an_unmeasured_worker_borrows_its_groups_fit_until_its_own_steps_arrive() -> None:
+    """A CPU-slow fleet: a worker with no steps yet is priced like its measured peers of the same
+    kind (not at the GPU-fast static prior, which would make it look ~100x cheaper), whether it
+    registered before or after they were measured; another kind's steps do not move it; its own
+    steps then take over, and its group's later changes no longer move it."""
+    rng = random.Random(3)
+    slow = tuple(100.0 * c for c in TRUE)
+    bank = CostModelBank(StepCostPrior())
+    static = StepTimeModel(StepCostPrior()).coefficients
+    early = bank.get("p-early", "prefill")  # registered before any step was measured anywhere
+    bank.get("p-a", "prefill")
+    bank.get("d-a", "decode")
+    assert early.coefficients == static
+    for _ in range(20):
+        bank.observe("p-a", tuple(_sample(rng, slow, 0.02) for _ in range(25)))
+    late = bank.get("p-late", "prefill")
+    want = slow[0] + slow[1] * 1000 + slow[2] * prefill_pairs(1000, 0)
+    for m in (early, late):
+        assert m.num_samples == 0
+        assert m.theta == bank.fleet("prefill").theta
+        assert m.predict_prefill(1000) == pytest.approx(want, rel=0.1)
+    assert bank.get("d-late", "decode").coefficients == static  # no decode worker measured yet
+    # Broken timers teach nothing: neither the worker nor its group moves.
+    before = bank.fleet("prefill").theta
+    bank.observe("p-b", (StepSample(10, 1.0, 0, 0, float("nan")),))
+    assert bank.get("p-b").num_samples == 0 and bank.fleet("prefill").theta == before
+    # Decode workers' steps (fast here) move only their group.
+    bank.observe("d-a", tuple(_sample(rng, TRUE, 0.0) for _ in range(50)))
+    assert late.theta == before and bank.get("d-late").theta == bank.fleet("decode").theta != before
+    # Its own steps take over (this worker is 3x faster than its group); then it no longer follows.
+    fast = tuple(c / 3.0 for c in slow)
+    for _ in range(20):
+        bank.observe("p-early", tuple(_sample(rng, fast, 0.0) for _ in range(25)))
+    assert early.predict_prefill(1000) == pytest.approx(want / 3.0, rel=0.1)
+    own = early.theta
+    bank.observe("p-a", tuple(_sample(rng, slow, 0.0) for _ in range(25)))
+    assert early.theta == own and late.theta == bank.fleet("prefill").theta

@@ -240,8 +240,10 @@ def test_workers_telemetry_fits_the_scheduler_and_steers_a_shared_prefix(dep: De
     prior) and their prefix caches steer a request sharing a prompt prefix to where it is held."""
     import ray
 
-    first = GenerationRequest("tele-a", random_tokens(200, seed=4000), replace(GREEDY, max_tokens=8), tenant="t0")
-    follow = GenerationRequest("tele-b", list(first.prompt_token_ids[:192]) + random_tokens(40, seed=4001),
+    # A long shared prefix: with one measured step, a fit still puts much of its time on the
+    # intercept, and only a large saving in prefill tokens is sure to show through that.
+    first = GenerationRequest("tele-a", random_tokens(600, seed=4000), replace(GREEDY, max_tokens=8), tenant="t0")
+    follow = GenerationRequest("tele-b", list(first.prompt_token_ids[:592]) + random_tokens(40, seed=4001),
                                replace(GREEDY, max_tokens=8), tenant="t0")
 
     decoded_by: set[str] = set()
@@ -265,13 +267,16 @@ def test_workers_telemetry_fits_the_scheduler_and_steers_a_shared_prefix(dep: De
     asyncio.run(main())
     a, b = dep.client.prefill_result("tele-a"), dep.client.prefill_result("tele-b")
     assert a is not None and b is not None
-    assert b.worker == a.worker and b.num_local_hit_blocks == 192 // 16
+    assert b.worker == a.worker and b.num_local_hit_blocks == 592 // 16
     prior = StepTimeModel(StepCostPrior()).coefficients
     stats = ray.get(dep.scheduler.stats.remote(), timeout=30)
     assert {w.name for w in stats.workers} == set(dep.survivors())
-    # The workers that ran steps are modelled from them; the others are still at the prior.
+    # The workers that ran steps are modelled from them; the others borrow the fit of their kind's
+    # measured steps, not the static prior (~50x optimistic on a CPU).
     ran = decoded_by | {a.worker}
-    assert {w.name for w in stats.workers if w.step_model_coefficients != prior} == ran, stats.workers
+    assert {w.name for w in stats.workers if w.step_model_samples} == ran, stats.workers
+    kinds_ran = {w.kind for w in stats.workers if w.step_model_samples}
+    assert all(w.step_model_coefficients != prior for w in stats.workers if w.kind in kinds_ran), stats.workers
 
 
 def test_decode_worker_killed_with_eight_streams_in_flight(dep: Deployment) -> None:
