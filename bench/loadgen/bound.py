@@ -127,3 +127,48 @@ def _decode_tok_s(engine, prompts: list[list[int]], steps: int, max_tokens: int)
     for rid in ids:
         engine.abort(rid)
     return tokens / elapsed if elapsed > 0 else 0.0
+
+
+def _render(figures: dict) -> str:  # type: ignore[type-arg]
+    from bench.common import format_table
+
+    rows = [(r["decode_rows"], r["decode_tok_s"], r["decode_step_ms"], r["prefill_tok_s"], r["rps"],
+             r["compute_rps"], r["compute_rps"] / r["rps"]) for r in figures["runs"]]
+    return format_table(("decode rows", "decode tok/s", "step ms", "prefill tok/s", "prefill bound rps",
+                         "compute bound rps", "compute / prefill"), rows,
+                        title=(f"{figures['model']}, {figures['dtype']}, {figures['prompt_tokens']}-token prompts, "
+                               f"{figures['output_tokens']} output tokens"))
+
+
+def main() -> None:
+    """The bounds at several decode batch sizes: how near the prefill bound prefill plus decode
+    can come on this machine, decoding at its cheapest per-token price (the batch a TPOT target
+    still allows; the step time is printed beside it)."""
+    import argparse
+
+    from actors.engine.fetch import resolve_model
+    from bench.common import progress, report
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-tokens", type=float, default=414.0, help="the workload's mean prompt length")
+    parser.add_argument("--output-tokens", type=float, default=100.0, help="the workload's mean output length")
+    parser.add_argument("--rows", default="8,16,32", help="decode batch sizes, comma-separated")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    model = resolve_model(args.model)
+    runs = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        progress(f"{rows} decode rows of {args.prompt_tokens:.0f}-token prompts")
+        b = measure_prefill_bound(model, args.dtype, args.prompt_tokens, runs=args.runs,
+                                  mean_output_tokens=args.output_tokens, decode_rows=rows)
+        assert b.decode_tok_s is not None
+        runs.append({**b.to_dict(), "decode_step_ms": 1e3 * rows / b.decode_tok_s})
+    report({"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens, "runs": runs}, args.json, _render)
+
+
+if __name__ == "__main__":
+    main()

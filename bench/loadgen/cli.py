@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="mean request rate (rps) the arrivals are scaled to")
     p.add_argument("--sweep", default=None, help="comma-separated rates; reports the goodput knee")
     p.add_argument("--knee-attainment", type=float, default=0.9, help="attainment a rate must reach to count")
+    p.add_argument("--trace-start", type=int, default=0,
+                   help="skip the trace's first N requests (Mooncake shares prefixes more often later on)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply the trace's prompt and output lengths (1: production lengths, clipped below)")
     p.add_argument("--max-prompt-len", type=int, default=1024, help="clip prompts to this (0: no clip of its own)")
@@ -114,10 +116,14 @@ def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchReques
     desc = "fixed lengths"
     if a.trace != "none":
         path = resolve_trace(a.trace)
-        base = load_trace(path, limit=None if a.arrivals != "trace" else n)
+        base = load_trace(path, limit=None if a.arrivals != "trace" else n + a.trace_start)
+        if a.trace_start:
+            base = base[a.trace_start:]
+            t0 = base[0].arrival_s if base else 0.0
+            base = [replace(r, arrival_s=r.arrival_s - t0) for r in base]
         base = scale_lengths(base, a.length_scale, a.max_model_len, a.max_output_len, a.max_prompt_len or None)
         clip = f"prompt <= {a.max_prompt_len}, " if a.max_prompt_len else ""
-        desc = (f"{path.name}, lengths x{a.length_scale:g} clipped to {clip}output <= {a.max_output_len}, "
+        desc = (f"{path.name}{f' from request {a.trace_start}' if a.trace_start else ''}, lengths x{a.length_scale:g} clipped to {clip}output <= {a.max_output_len}, "
                 f"prompt + output <= {a.max_model_len}")
     if a.arrivals == "trace" and base:
         # Scale only the prefix that fits the time bound, so what is sent really averages `rate`

@@ -41,6 +41,19 @@ def test_trace_prefix_is_scaled_to_the_rate_within_the_time_bound() -> None:
     assert sum(r.prompt_len for r in reqs) / len(reqs) < 300
 
 
+def test_trace_start_skips_the_first_requests_and_starts_the_clock_at_the_first_kept() -> None:
+    from bench.loadgen.workload import load_trace, resolve_trace
+
+    try:
+        whole = load_trace(resolve_trace("mooncake"), limit=3620)
+    except FileNotFoundError:
+        pytest.skip("shared/traces not present")
+    reqs, desc = build_workload(_args("--trace", "mooncake", "--trace-start", "3600", "--duration", "30"), 0.5)
+    assert len(reqs) == 16 and reqs[0].arrival_s == 0.0 and reqs[-1].arrival_s == pytest.approx(30.0)
+    assert [r.hash_ids[0] for r in reqs] == [r.hash_ids[0] for r in whole[3600:3616]]
+    assert "from request 3600" in desc
+
+
 def _point(rate: float, good: int, sent: int) -> RatePoint:
     recs = [ClientRecord(send_s=0.0, chunk_s=[0.1 if i < good else 9.0], output_tokens=1, success=True)
             for i in range(sent)]
