@@ -206,6 +206,7 @@ class CostModelBank:
         self._models: dict[WorkerName, StepTimeModel] = {}
         self._group_of: dict[WorkerName, str] = {}
         self._fleets: dict[str, StepTimeModel] = {}
+        self._unmeasured: set[WorkerName] = set()  # few once a fleet runs: a report touches only these
 
     def fleet(self, group: str = "") -> StepTimeModel:
         model = self._fleets.get(group)
@@ -216,14 +217,18 @@ class CostModelBank:
     def get(self, worker: WorkerName, group: str | None = None) -> StepTimeModel:
         """The worker's model (created on first sight); `group` (its kind) files it with its peers,
         once known. A model without steps of its own starts at its group's fit."""
-        if group is not None:
-            self._group_of[worker] = group
+        moved = False
+        if group is not None and self._group_of.get(worker) != group:
+            self._group_of[worker], moved = group, True
         model = self._models.get(worker)
         if model is None:
             model = self._models[worker] = StepTimeModel(self.prior)
-        fleet = self._fleets.get(self._group_of.get(worker, ""))
-        if fleet is not None and fleet.num_samples and not model.num_samples:
-            model.center_on(fleet.theta)
+            self._unmeasured.add(worker)
+            moved = True
+        if moved and worker in self._unmeasured:
+            fleet = self._fleets.get(self._group_of.get(worker, ""))
+            if fleet is not None and fleet.num_samples:
+                model.center_on(fleet.theta)
         return model
 
     def observe(self, worker: WorkerName, samples: tuple[StepSample, ...]) -> None:
@@ -233,14 +238,16 @@ class CostModelBank:
         model.observe_all(samples)
         if not model.num_samples:  # nothing usable (broken timers): the group learns nothing either
             return
+        self._unmeasured.discard(worker)
         group = self._group_of.get(worker, "")
         fleet = self.fleet(group)
         fleet.observe_all(samples)
         theta = fleet.theta
-        for name, other in self._models.items():
-            if not other.num_samples and self._group_of.get(name, "") == group:
-                other.center_on(theta)
+        for name in self._unmeasured:
+            if self._group_of.get(name, "") == group:
+                self._models[name].center_on(theta)
 
     def drop(self, worker: WorkerName) -> None:
         self._models.pop(worker, None)
         self._group_of.pop(worker, None)
+        self._unmeasured.discard(worker)

@@ -87,6 +87,8 @@ def test_an_unmeasured_worker_borrows_its_groups_fit_until_its_own_steps_arrive(
         assert m.theta == bank.fleet("prefill").theta
         assert m.predict_prefill(1000) == pytest.approx(want, rel=0.1)
     assert bank.get("d-late", "decode").coefficients == static  # no decode worker measured yet
+    bank.get("p-filed-later")  # first seen without its kind, then filed: it borrows from then on
+    assert bank.get("p-filed-later", "prefill").theta == bank.fleet("prefill").theta
     # Broken timers teach nothing: neither the worker nor its group moves.
     before = bank.fleet("prefill").theta
     bank.observe("p-b", (StepSample(10, 1.0, 0, 0, float("nan")),))
