@@ -37,7 +37,10 @@ def test_concurrent_handoffs_match_single_engine(tiny_model_dir: Path) -> None:
             assert [r.token_ids for r in runs] == want_greedy + want_sampled
             for req, run in zip(reqs, runs):
                 assert run.text == run.events[-1].output.text and run.events[-1].output.finished
-                assert [len(e.output.new_token_ids) for e in run.events] == [1] * 8
+                # One event per step, unless the consumer fell a step behind (a loaded machine): the
+                # stream then merges the queued outputs into one event, never drops or repeats one.
+                sizes = [len(e.output.new_token_ids) for e in run.events]
+                assert sum(sizes) == 8 and min(sizes) >= 1, sizes
                 times = [e.emitted_at for e in run.events]
                 assert times == sorted(times)
                 assert run.result is not None
