@@ -162,8 +162,7 @@ class Snapshots:
                 num_prefill_queued=v.num_prefill_queued, num_decode_committed=v.num_committed,
                 num_decode_active=v.num_active, free_blocks=v.free_blocks(),
                 decode_batch_cap=self._capacity.batch_cap(v.name) if v.kind.serves_decode else 0,
-                step_model_coefficients=self._models.get(v.name).coefficients,
-                step_model_samples=self._models.get(v.name).num_samples))
+                step_model_coefficients=v.model.coefficients, step_model_samples=v.model.num_samples))
         return out
 
     def check_integrity(self) -> None:

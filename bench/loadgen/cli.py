@@ -123,7 +123,8 @@ def build_workload(a: argparse.Namespace, rate: float) -> tuple[list[BenchReques
             base = [replace(r, arrival_s=r.arrival_s - t0) for r in base]
         base = scale_lengths(base, a.length_scale, a.max_model_len, a.max_output_len, a.max_prompt_len or None)
         clip = f"prompt <= {a.max_prompt_len}, " if a.max_prompt_len else ""
-        desc = (f"{path.name}{f' from request {a.trace_start}' if a.trace_start else ''}, lengths x{a.length_scale:g} clipped to {clip}output <= {a.max_output_len}, "
+        start = f" from request {a.trace_start}" if a.trace_start else ""
+        desc = (f"{path.name}{start}, lengths x{a.length_scale:g} clipped to {clip}output <= {a.max_output_len}, "
                 f"prompt + output <= {a.max_model_len}")
     if a.arrivals == "trace" and base:
         # Scale only the prefix that fits the time bound, so what is sent really averages `rate`

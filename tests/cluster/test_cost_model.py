@@ -91,6 +91,7 @@ def test_an_unmeasured_worker_borrows_its_groups_fit_until_its_own_steps_arrive(
     assert bank.get("p-filed-later", "prefill").theta == bank.fleet("prefill").theta
     # Broken timers teach nothing: neither the worker nor its group moves.
     before = bank.fleet("prefill").theta
+    bank.get("p-b", "prefill")
     bank.observe("p-b", (StepSample(10, 1.0, 0, 0, float("nan")),))
     assert bank.get("p-b").num_samples == 0 and bank.fleet("prefill").theta == before
     # Decode workers' steps (fast here) move only their group.
