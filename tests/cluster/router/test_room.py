@@ -50,7 +50,7 @@ def test_a_turn_times_out_and_polling_finds_rows_freed_elsewhere() -> None:
         first, second = q.join(0, 0.0), q.join(0, 1.0)
         t0 = time.monotonic()
         assert not await q.turn(second, 0.2)  # never the head
-        assert time.monotonic() - t0 == pytest.approx(0.2, abs=0.15)
+        assert 0.19 <= time.monotonic() - t0 < 1.0  # its deadline, not the next turn's (slack for a loaded box)
         assert await q.turn(first, 1.0)  # the head: woken by a poll without any release
         q.leave(first)
         assert await q.turn(second, 1.0)
@@ -135,8 +135,8 @@ def test_a_wait_past_room_wait_s_is_refused_and_zero_refuses_at_once() -> None:
         assert len(c.room) == 0
         return time.monotonic() - t0
 
-    assert asyncio.run(main(0.3)) == pytest.approx(0.3, abs=0.2)
-    assert asyncio.run(main(0.0)) < 0.1
+    assert 0.29 <= asyncio.run(main(0.3)) < 1.5
+    assert asyncio.run(main(0.0)) < 0.25  # at once, well before the 0.3 s above
 
 
 class Scheduled:
