@@ -59,7 +59,7 @@ class DecodeWorker(ReportsTelemetry):
         self.receiver = KVReceiver(async_engine, transport, layout, cfg.recv_poll_s)
         # Requests it runs whole (1-token prompts, its own prefills, resumes), and the KV shadows
         # of every request with a shadow salt (`whole_runs.py`, `kv_shadow.py`).
-        pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
+        pool = PoolLink(prefix_pool, layout, cfg.pool_codec_for, cfg.max_pending_offers, exact_for=cfg.exact_kv) if prefix_pool else None
         self.runs = WholeRuns(async_engine, self.name, layout.block_size, pool, cfg.max_shadow_bytes, cfg.shadow_keep_s)
         self.pool, self.shadows = pool, self.runs.shadows
         # Streams opened by announce and not yet attached by generate_after_kv, with the time by

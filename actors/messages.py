@@ -154,6 +154,7 @@ class PrefillResult:
     kv_encode_s: float = 0.0
     kv_send_s: float = 0.0
     kv_codec_predictions: tuple[tuple[str, float], ...] = ()
+    kv_fidelity: str = "exact"  # the tenant's KV fidelity, which bounded the codecs allowed
     # MoE models, a request with an expert budget: the experts per layer chosen from its prompt
     # here and sent to the decode worker ahead of the KV (actors/moe_handoff.py); None otherwise.
     expert_choice: tuple[tuple[int, ...], ...] | None = None

@@ -4,6 +4,8 @@ Mental model: the pool stores one KV block per chained hash as an opaque payload
 a codec shard of exactly one block (all layers), carrying its hash in the header. `fetch` asks the
 pool for the leading run of a hash chain and decodes it into one [L, 2, n, bs, Hkv, D] tensor,
 stopping at the first payload that does not decode or names another hash (a miss, never an error).
+Offers are encoded with the tenant's pool codec (`codec_for`: lossy ones only for tenants whose
+KV fidelity is lossy), and an exact tenant's fetch takes only blocks a lossless codec stored.
 `offer` runs in the background on one thread: it asks the pool how much of the chain it already
 has and puts only the rest, so a popular prefix is sent once, not once per request. Offers beyond
 `max_pending` are dropped: the cache is an optimisation and must never queue without bound.
@@ -42,7 +44,7 @@ import torch
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.block_hash import BlockHash
 from actors.prefix_cache.pool import PrefixCachePool
-from transfer.codec import KVLayout, decode_shard, encode
+from transfer.codec import Compression, KVLayout, decode_shard, encode
 from transfer.transport import TransferError
 
 logger = logging.getLogger(__name__)
@@ -68,11 +70,13 @@ FETCH_WEIGHT = 0.2
 
 
 class PoolLink:
-    def __init__(self, pool: PrefixCachePool, layout: KVLayout, compression: str = "none",
-                 max_pending: int = 64, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, pool: PrefixCachePool, layout: KVLayout, codec_for: Callable[[str], str] = lambda tenant: "none",
+                 max_pending: int = 64, clock: Callable[[], float] = time.perf_counter,
+                 exact_for: Callable[[str], bool] = lambda tenant: True) -> None:
         self.pool = pool
         self.layout = layout
-        self.compression = compression
+        self.codec_for = codec_for  # a tenant -> the codec its offered blocks are encoded with
+        self.exact_for = exact_for  # a tenant -> whether it takes only bit-exact blocks from the pool
         self.max_pending = max_pending
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-offer")
         self._lock = threading.Lock()
@@ -83,11 +87,12 @@ class PoolLink:
         self._num_timed_fetches = 0
         self._fetch_s_per_block: float | None = None
 
-    def fetch(self, hashes: Sequence[BlockHash], epoch: int | None = None) -> tuple[list[BlockHash], torch.Tensor | None]:
+    def fetch(self, hashes: Sequence[BlockHash], epoch: int | None = None,
+              exact: bool = True) -> tuple[list[BlockHash], torch.Tensor | None]:
         """(hashes, KV [L, 2, n, bs, Hkv, D]) of the chain's leading run the pool holds: each block
         passed the codec's checksum and carries its own hash (and `epoch`, when given, as its
-        transfer id); the run ends at the first that does not. Blocking. A fetch that returns
-        blocks updates `fetch_s_per_block`."""
+        transfer id), and with `exact` was stored with a lossless codec; the run ends at the first
+        that does not. Blocking. A fetch that returns blocks updates `fetch_s_per_block`."""
         if not hashes:
             return [], None
         start = self._clock()
@@ -101,6 +106,10 @@ class PoolLink:
             hdr = shard.header
             if hdr.block_hashes != (int(h),) or hdr.layers != range(self.layout.num_layers):
                 logger.warning("prefix pool block %032x holds another block; treating it as a miss", h)
+                break
+            if exact and not Compression(hdr.compression).lossless:  # salted per tenant: only a shared salt gets here
+                logger.warning("prefix pool block %032x is lossy (%s) and the tenant's KV is exact; treating it as a "
+                               "miss", h, Compression(hdr.compression).name.lower())
                 break
             if epoch is not None and hdr.transfer_id != epoch:
                 logger.warning("prefix pool block %032x is from epoch %d, not %d (stale); treating it as a miss",
@@ -158,7 +167,7 @@ class PoolLink:
         return True
 
     def _offer(self, hashes: list[BlockHash], kv: torch.Tensor, tenant: str) -> int:
-        return self._put(hashes, kv, self.pool.match_prefix(hashes), self.compression, 0, tenant, False)
+        return self._put(hashes, kv, self.pool.match_prefix(hashes), self.codec_for(tenant), 0, tenant, False)
 
     def _put(self, hashes: list[BlockHash], kv: torch.Tensor, have: int, compression: str, epoch: int,
              tenant: str, shadow: bool) -> int:
@@ -206,7 +215,7 @@ def import_prefix(async_engine: AsyncEngine, pool: PoolLink | None, reusable: Se
     num_local = async_engine.locked(engine.cached_prefix_len, reusable)
     if pool is None or num_local >= len(reusable):
         return num_local, 0
-    got, kv = pool.fetch(reusable[num_local:])
+    got, kv = pool.fetch(reusable[num_local:], exact=pool.exact_for(tenant))
     if kv is None:
         return num_local, 0
     return num_local, async_engine.locked(engine.import_cached_blocks, got, kv, tenant)

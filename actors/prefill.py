@@ -79,7 +79,7 @@ class PrefillWorker(ReportsTelemetry):
         self.name = name or transport.name
         # A shard must fit both our send staging and the receiver's (same config on both ends).
         self._staging_bytes = min(cfg.transfer.send_staging_bytes, cfg.transfer.recv_staging_bytes)
-        self.pool = PoolLink(prefix_pool, layout, cfg.pool_compression, cfg.max_pending_offers) if prefix_pool else None
+        self.pool = PoolLink(prefix_pool, layout, cfg.pool_codec_for, cfg.max_pending_offers, exact_for=cfg.exact_kv) if prefix_pool else None
         # Whole requests: only when the router lends this worker to a dead decode worker's streams
         # until its replacement is up (they resume from their KV shadows, and keep shadowing).
         self.runs = WholeRuns(async_engine, self.name, layout.block_size, self.pool, cfg.max_shadow_bytes, cfg.shadow_keep_s)
@@ -142,6 +142,7 @@ class PrefillWorker(ReportsTelemetry):
             kv_codec_predicted_s=choice.chosen_predicted_s, kv_codec_actual_s=shipped_kv.actual_s,
             kv_encode_s=shipped_kv.encode_s, kv_send_s=sent.latency_s,
             kv_codec_predictions=tuple(choice.predicted_s.items()),
+            kv_fidelity="exact" if self.cfg.exact_kv(req.tenant) else "lossy",
             expert_choice=None if shipped_kv.experts is None else tuple(map(tuple, shipped_kv.experts)),
         )
 

@@ -10,13 +10,15 @@ input lives in deploy/; these only check invariants (the router's own settings: 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from actors.core_share import CORE_SHARE_ENV, default_core_share_path
 from actors.engine.config import EngineConfig
+from actors.engine.shares import TenantShares
 from transfer.codec import Compression
-from transfer.codec_choice import allowed_codecs
+from transfer.codec_choice import Fidelity, LossyCodecForExactTenant, allowed_codecs
 from transfer.config import TransferConfig
 
 MIB = 1 << 20
@@ -32,15 +34,16 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(
         default_factory=lambda: TransferConfig(send_staging_bytes=64 * MIB, recv_staging_bytes=64 * MIB))
-    # KV on the wire: auto (per transfer, the codec predicted fastest: transfer/codec_choice.py),
-    # or none (bit-exact), int8 or fp8 for every transfer.
+    # KV on the wire: auto (per transfer, the codec predicted fastest among those each tenant's
+    # fidelity allows: transfer/codec_choice.py), or one codec for every transfer.
     compression: str = "auto"
-    # Per-tenant policy (auto | none | int8 | fp8), which wins over `compression` for that tenant:
-    # none means the tenant needs exact KV. Tenants not listed follow `default_tenant_compression`.
-    tenant_compression: tuple[tuple[str, str], ...] = ()
-    default_tenant_compression: str = "auto"
+    # Per-tenant KV policy (codec and fidelity); tenants not listed follow `default_tenant_kv`.
+    tenant_kv: tuple[tuple[str, TenantKVPolicy], ...] = ()
+    default_tenant_kv: TenantKVPolicy = field(default_factory=lambda: TenantKVPolicy())
     num_shards: int = 2  # layer groups per transfer (capped at the model's layer count)
-    pool_compression: str = "none"  # blocks offered to the prefix-cache pool; none keeps them exact
+    # Blocks offered to the prefix-cache pool: a lossy codec here applies to lossy tenants' blocks
+    # only; an exact tenant's go as none (a lossless codec applies to everyone's).
+    pool_compression: str = "none"
     lease_s: float = 30.0  # decode: announced KV must land within this, else the blocks are freed
     transfer_timeout_s: float = 10.0  # prefill: one send, all shards
     recv_poll_s: float = 0.05  # decode: receiver wake-up period (also the lease check period)
@@ -54,8 +57,17 @@ class WorkerConfig:
     ucx_net_devices: str | None = None
 
     def __post_init__(self) -> None:
-        for policy in (self.compression, self.default_tenant_compression, *dict(self.tenant_compression).values()):
-            allowed_codecs(policy)
+        allowed_codecs(self.compression, "lossy")
+        for tenant, policy in (("(default)", self.default_tenant_kv), *self.tenant_kv):
+            try:
+                self.codecs_for_policy(policy)
+            except LossyCodecForExactTenant as e:
+                raise LossyCodecForExactTenant(f"tenant {tenant}: {e}") from None
+            if policy.fidelity == "exact" and self.engine.kv_cache_dtype != "auto":
+                raise LossyCodecForExactTenant(
+                    f"tenant {tenant}: engine.kv_cache_dtype {self.engine.kv_cache_dtype} stores every tenant's KV "
+                    "lossily, but this tenant's kv_fidelity is exact; set kv_fidelity: lossy on every tenant "
+                    "(the default tenant too) to opt in")
         Compression.parse(self.pool_compression)
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
@@ -70,11 +82,49 @@ class WorkerConfig:
             # a send that is still allowed to finish after the receiver gave up would be wasted
             raise ValueError("transfer_timeout_s must be shorter than lease_s")
 
+    def kv_policy(self, tenant: str) -> TenantKVPolicy:
+        return dict(self.tenant_kv).get(tenant, self.default_tenant_kv)
+
+    def codecs_for_policy(self, policy: TenantKVPolicy) -> tuple[Compression, ...]:
+        return allowed_codecs(self.compression if policy.compression == "auto" else policy.compression,
+                              policy.fidelity)
+
     def codecs_for(self, tenant: str) -> tuple[Compression, ...]:
-        """The codecs a transfer of `tenant`'s KV may use: the tenant's own policy when it names a
-        codec, else the worker's `compression` (auto: every codec)."""
-        policy = dict(self.tenant_compression).get(tenant, self.default_tenant_compression)
-        return allowed_codecs(self.compression if policy == "auto" else policy)
+        """The codecs a transfer of `tenant`'s KV may use: the tenant's own codec when it names one,
+        else the worker's `compression`, within what the tenant's fidelity allows (exact: lossless)."""
+        return self.codecs_for_policy(self.kv_policy(tenant))
+
+    def exact_kv(self, tenant: str) -> bool:
+        """Whether `tenant`'s KV fidelity is exact (the default)."""
+        return self.kv_policy(tenant).fidelity == "exact"
+
+    def pool_codec_for(self, tenant: str) -> str:
+        """The codec `tenant`'s blocks enter the prefix-cache pool with."""
+        lossy = not self.exact_kv(tenant)
+        return self.pool_compression if lossy or Compression.parse(self.pool_compression).lossless else "none"
+
+
+@dataclass(frozen=True)
+class TenantKVPolicy:
+    """How one tenant's KV may be stored and moved. `fidelity` exact (the default): every path the
+    KV takes (P->D wire, prefix-cache pool, shadows, offload, storage) is bit-exact, so its greedy
+    tokens are the model's; lossy: int8/fp8 codecs may be chosen where predicted faster.
+    `compression`: auto (the prediction decides among the allowed codecs) or one codec's name."""
+
+    compression: str = "auto"
+    fidelity: Fidelity = "exact"
+
+    def __post_init__(self) -> None:
+        allowed_codecs(self.compression, self.fidelity)
+
+
+@dataclass(frozen=True)
+class WorkerPolicies:
+    """What the workers apply per tenant (the scheduler section's tenants, resolved once)."""
+
+    tenant_kv: Mapping[str, TenantKVPolicy] = field(default_factory=dict)
+    default_tenant_kv: TenantKVPolicy = field(default_factory=TenantKVPolicy)
+    tenant_kv_shares: TenantShares = field(default_factory=TenantShares)
 
 
 class NoGpuForWorker(ValueError):

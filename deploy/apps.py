@@ -107,7 +107,7 @@ class FerryIngress:
             self._routing = RayRoutingAdmin(_fresh_actor(
                 ROUTING_ACTOR, lambda: start_routing_control(name=ROUTING_ACTOR), lambda old: ray.kill(old, no_restart=True)))
         resources = cfg.worker_resources(cluster_gpus())
-        worker_cfg = cfg.to_worker_config(resources, **self.scheduler_cfg.worker_policies())  # type: ignore[arg-type]
+        worker_cfg = cfg.to_worker_config(resources, self.scheduler_cfg.worker_policies())
         threads = cfg.engine.torch_threads or default_torch_threads(cfg)
         self._deployment: PDDeployment | None = None
         if cfg.mode == "disaggregated" and self.scheduler_cfg.enabled:
@@ -311,7 +311,7 @@ async def set_replicas(app: str, deployment: str, n: int) -> None:
 def worker_apps(cfg: AppConfig, scheduler: SchedulerSection | None = None) -> dict[str, Application]:
     """The worker deployments of `workers_as: deployments`, bound: decode (or colocated) and prefill."""
     resources = cfg.worker_resources(cluster_gpus() if ray.is_initialized() else 0.0)
-    worker_cfg = cfg.to_worker_config(resources, **(scheduler or SchedulerSection()).worker_policies())  # type: ignore[arg-type]
+    worker_cfg = cfg.to_worker_config(resources, (scheduler or SchedulerSection()).worker_policies())
     threads = cfg.engine.torch_threads or default_torch_threads(cfg)
     options = resources.actor_options()
     store_ids = ([f"{STORE_PREFIX}-{i}" for i in range(cfg.prefix_cache.num_stores)]

@@ -32,6 +32,7 @@ from deploy.openai.expert_budget import requested_expert_budget
 from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 from deploy.pool_source import PoolSource
+from transfer.codec import Compression
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ class ClusterBackend:
                 "kv_codec": {"codec": result.kv_codec, "reason": result.kv_codec_reason,
                              "predicted_s": result.kv_codec_predicted_s, "actual_s": result.kv_codec_actual_s,
                              "encode_s": result.kv_encode_s, "send_s": result.kv_send_s,
-                             "kv_raw_bytes": result.kv_raw_bytes, "predictions_s": dict(result.kv_codec_predictions)},
+                             "kv_raw_bytes": result.kv_raw_bytes, "predictions_s": dict(result.kv_codec_predictions),
+                             "fidelity": result.kv_fidelity,
+                             "lossless": Compression.parse(result.kv_codec).lossless},
                 # MoE, a budgeted request: the experts per layer chosen from its prompt, sent to decode
                 "expert_choice": None if result.expert_choice is None else [list(e) for e in result.expert_choice],
             }

@@ -25,7 +25,7 @@ from actors.engine.paging import PagingPolicy
 from actors.engine.spec import SpecConfig
 from actors.engine.shares import TenantShares
 from actors.prefix_cache.store import PrefixCacheConfig
-from actors.worker_config import WorkerConfig, WorkerResources, plan_worker_resources
+from actors.worker_config import WorkerConfig, WorkerPolicies, WorkerResources, plan_worker_resources
 from cluster.router.config import RouterConfig
 from deploy.openai.config import ApiConfig
 from transfer.config import TransferConfig
@@ -142,10 +142,12 @@ class TransferSection(ConfigSection):
     kind: Literal["auto", "nixl", "cuda_ipc", "object_store"] = Field(
         "auto", description="auto: cuda_ipc between GPU workers of a one-node cluster, else nixl where it "
                             "imports (device staging when the KV is on a GPU), else the Ray object store")
-    compression: Literal["auto", "none", "int8", "fp8"] = Field(
+    compression: Literal["auto", "none", "zstd", "int8", "fp8"] = Field(
         "auto", description="KV on the wire: auto picks, per transfer, the codec predicted to deliver it soonest "
-                            "(encode + wire + decode, from measured link bandwidth and codec costs); none is "
-                            "bit-exact; int8 / fp8 force that codec. A tenant's scheduler kv_compression wins")
+                            "(encode + wire + decode, from measured link bandwidth and codec costs) among those the "
+                            "tenant's kv_fidelity allows (exact, the default: none or zstd, both bit-exact; lossy: "
+                            "int8 and fp8 too); naming a codec forces it (a lossy one needs every tenant lossy). "
+                            "A tenant's scheduler kv_compression wins")
     num_shards: int = Field(2, ge=1)
     staging_mib: int = Field(64, gt=0)
     timeout_s: float = Field(10.0, gt=0)
@@ -158,7 +160,9 @@ class PrefixCacheSection(ConfigSection):
     dram_mib: int = Field(256, gt=0)
     disk_mib: int = Field(1024, ge=0)
     disk_dir: str | None = None
-    compression: Literal["none", "int8", "fp8"] = "none"
+    compression: Literal["none", "zstd", "int8", "fp8"] = Field(
+        "none", description="blocks in the pool: none or zstd (lossless) for every tenant; int8 / fp8 apply to "
+                            "kv_fidelity lossy tenants' blocks only, an exact tenant's stay none")
     eviction: Literal["value", "lru"] = Field("value", description="value: blocks ranked by decayed reuse, recency "
                                               "and chain depth, admitted by it; lru: plain recency (the baseline)")
 
@@ -234,20 +238,18 @@ class AppConfig(ConfigSection):
         return engine if resources is None else resources.place(engine)
 
     def to_worker_config(self, resources: WorkerResources | None = None,
-                         tenant_compression: Mapping[str, str] | None = None,
-                         default_tenant_compression: str = "auto",
-                         tenant_kv_shares: TenantShares | None = None) -> WorkerConfig:
-        """`tenant_compression` / `default_tenant_compression`: the tenants' KV compression
-        policies (the scheduler section's `kv_compression()`); `tenant_kv_shares` their shares of
-        the engine's KV blocks (its `kv_shares()`)."""
+                         policies: WorkerPolicies | None = None) -> WorkerConfig:
+        """`policies`: what the workers apply per tenant (the scheduler section's `worker_policies()`:
+        KV codec and fidelity, shares of the engine's KV blocks); default: every tenant exact."""
         t = self.transfer
         staging = t.staging_mib * MIB
+        policies = policies or WorkerPolicies()
         return WorkerConfig(
-            model=self.model, engine=self.to_engine_config(resources, tenant_kv_shares),
+            model=self.model, engine=self.to_engine_config(resources, policies.tenant_kv_shares),
             transfer=TransferConfig(kind=t.kind, send_staging_bytes=staging, recv_staging_bytes=staging,
                                     ucx_net_devices=t.ucx_net_devices),
-            compression=t.compression, tenant_compression=tuple(sorted((tenant_compression or {}).items())),
-            default_tenant_compression=default_tenant_compression, num_shards=t.num_shards,
+            compression=t.compression, tenant_kv=tuple(sorted(policies.tenant_kv.items())),
+            default_tenant_kv=policies.default_tenant_kv, num_shards=t.num_shards,
             pool_compression=self.prefix_cache.compression,
             lease_s=t.lease_s, transfer_timeout_s=t.timeout_s, ucx_net_devices=t.ucx_net_devices,
             stream_interval=self.stream_interval, max_shadow_bytes=self.shadow_budget_bytes(),

@@ -69,8 +69,10 @@ REQUEST_METRICS = {name: MetricSpec(kind, text, tags, buckets) for name, kind, t
     ("ferry_prefill_stage_ms", _H, "Prefill stage times: queue, prefix_lookup, compute, kv_transfer (ms).", ("stage",),
      STAGE_BUCKETS_MS),
     ("ferry_kv_transfer_wire_bytes", _C, "KV bytes sent prefill -> decode, as on the wire.", ("worker",), ()),
-    ("ferry_kv_transfers", _C, "KV transfers prefill -> decode by codec, and why it was chosen: forced (by policy), "
-     "predicted (fastest), explore.", ("codec", "reason"), ()),
+    ("ferry_kv_transfers", _C, "KV transfers prefill -> decode by codec, the tenant's KV fidelity (exact, lossy), "
+     "and why the codec was chosen: forced (by policy), predicted (fastest), explore.", ("codec", "fidelity", "reason"), ()),
+    ("ferry_kv_codec_bytes", _C, "KV bytes prefill -> decode by codec and fidelity: raw (before the codec) and wire "
+     "(as sent, headers included).", ("codec", "fidelity", "bytes"), ()),
     ("ferry_kv_codec_ms", _H, "A KV transfer's encode + send + decode time by codec (ms): predicted before it, "
      "actual after it (encode and send measured, decode predicted).", ("codec", "estimate"), STAGE_BUCKETS_MS),
     ("ferry_prefix_reused_blocks", _C, "Prompt blocks a prefill reused, by tier (hbm: its own; pool).", ("tier",), ()),
@@ -196,7 +198,11 @@ class RequestMetrics:
             _inc(m["ferry_kv_transfer_wire_bytes"], p.kv_wire_bytes, {"worker": p.worker})
             if p.kv_codec is not None:
                 codec = {"codec": p.kv_codec}
-                m["ferry_kv_transfers"].inc(1, {**codec, "reason": p.kv_codec_reason or "unknown"})
+                fidelity = {**codec, "fidelity": p.kv_fidelity or "unknown"}
+                m["ferry_kv_transfers"].inc(1, {**fidelity, "reason": p.kv_codec_reason or "unknown"})
+                _inc(m["ferry_kv_codec_bytes"], p.kv_wire_bytes, {**fidelity, "bytes": "wire"})
+                if p.kv_raw_bytes is not None:
+                    _inc(m["ferry_kv_codec_bytes"], p.kv_raw_bytes, {**fidelity, "bytes": "raw"})
                 for estimate, ms in (("predicted", p.kv_codec_predicted_ms), ("actual", p.kv_codec_actual_ms)):
                     m["ferry_kv_codec_ms"].observe(ms, {**codec, "estimate": estimate})
             _inc(m["ferry_prefix_reused_blocks"], p.num_local_hit_blocks, {"tier": "hbm"})

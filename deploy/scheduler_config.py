@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from actors.engine.shares import TenantShare, TenantShares
+from actors.worker_config import TenantKVPolicy, WorkerPolicies
 from cluster.admission import AdmissionConfig
 from cluster.config import SchedulerConfig
 from cluster.descriptors import TenantId
@@ -46,10 +47,16 @@ class TenantSection(ConfigSection):
                                  "recompute: nothing is copied, a resume recomputes the prefix (may take another "
                                  "path in bf16)")
 
-    kv_compression: Literal["auto", "none", "int8", "fp8"] = Field(
+    kv_fidelity: Literal["exact", "lossy"] = Field(
+        "exact", description="exact: every path this tenant's KV takes (prefill -> decode, prefix-cache pool, "
+                             "shadows, offload, storage) is bit-exact, so greedy output is the model's own; lossy: "
+                             "int8 / fp8 may be picked where predicted faster (README: KV fidelity gives what each "
+                             "costs in greedy agreement and logprob drift)")
+    kv_compression: Literal["auto", "none", "zstd", "int8", "fp8"] = Field(
         "auto", description="the KV handed from prefill to decode: auto, the transfer's codec is the one predicted "
-                            "fastest (transfer.compression decides when that is not auto); none, exact KV "
-                            "required; int8 / fp8, always that codec (see README for their token agreement)")
+                            "fastest among those kv_fidelity allows (transfer.compression decides when that is not "
+                            "auto); none / zstd, always that lossless codec; int8 / fp8, always that lossy codec "
+                            "(needs kv_fidelity: lossy)")
 
     speculation: Literal["off", "auto"] = Field(
         "auto", description="speculative decoding for this tenant's requests: auto, the decode engines draft "
@@ -68,7 +75,11 @@ class TenantSection(ConfigSection):
     def _check_share(self) -> "TenantSection":
         if self.kv_share_guaranteed > self.kv_share_max:
             raise ValueError("kv_share_guaranteed is above kv_share_max")
+        self.kv_policy()  # a lossy codec with kv_fidelity exact is refused here, by name
         return self
+
+    def kv_policy(self) -> TenantKVPolicy:
+        return TenantKVPolicy(self.kv_compression, self.kv_fidelity)
 
     def kv_share(self) -> TenantShare:
         return TenantShare(self.kv_share_guaranteed, self.kv_share_max)
@@ -167,17 +178,17 @@ class SchedulerSection(ConfigSection):
         others = frozenset(n for n, t in self.tenants.items() if (t.speculation == "auto") != default)
         return {"speculation": default, "speculation_exceptions": others}
 
-    def worker_policies(self) -> dict[str, object]:
-        """What workers apply per tenant, as `AppConfig.to_worker_config`'s keywords: the tenants'
-        KV compression and their shares of the engines' KV blocks."""
-        return {**self.kv_compression(), "tenant_kv_shares": self.kv_shares()}
+    def worker_policies(self) -> WorkerPolicies:
+        """What workers apply per tenant (`AppConfig.to_worker_config`): each tenant's KV codec and
+        fidelity (unlisted tenants the default tenant's; exact when they are refused anyway) and
+        their shares of the engines' KV blocks."""
+        default = TenantKVPolicy() if self.default_tenant is None else self.default_tenant.kv_policy()
+        return WorkerPolicies({n: t.kv_policy() for n, t in self.tenants.items()}, default, self.kv_shares())
 
-    def kv_compression(self) -> dict[str, object]:
-        """The prefill workers' `tenant_compression` (listed tenants) and `default_tenant_compression`
-        (the rest; auto when unlisted tenants are refused anyway)."""
-        default = "auto" if self.default_tenant is None else self.default_tenant.kv_compression
-        return {"tenant_compression": {n: t.kv_compression for n, t in self.tenants.items()},
-                "default_tenant_compression": default}
+    def kv_fidelity(self) -> dict[str, str]:
+        """Each listed tenant's KV fidelity, and "*" for every other tenant (the ingress's metrics)."""
+        default = "exact" if self.default_tenant is None else self.default_tenant.kv_fidelity
+        return {**{n: t.kv_fidelity for n, t in self.tenants.items()}, "*": default}
 
     def to_link_config(self, block_size: int) -> LinkConfig:
         return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,

@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c", "cpu_rms_norm.c")
+SOURCES = ("cpu_decode_attention.c", "cpu_rms_norm.c", "cpu_exponent_split.c")
 # -ffast-math lets the float reductions and expf vectorize (glibc's libmvec); the kernels see only
 # finite values. It is given to the compile step only: linking a shared library with it would pull
 # in crtfastmath.o, which switches the whole process (torch included) to flush-to-zero.
@@ -121,6 +121,10 @@ def library() -> ctypes.CDLL | None:
             norm = lib.ferry_rms_norm
             norm.restype = ctypes.c_int
             norm.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
+            split, merge = lib.ferry_exponent_split, lib.ferry_exponent_merge
+            split.restype = merge.restype = ctypes.c_int
+            split.argtypes = [ptr, i64, c_int, ptr, ptr]
+            merge.argtypes = [ptr, ptr, i64, c_int, ptr]
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
             logger.warning("ferry's native CPU kernels are unavailable, using the torch reference: %s", e)

@@ -12,11 +12,13 @@ prior of its link class stands in:
                 object store, CUDA IPC)                                4 GB/s, 1 ms
     cross_node  another node: a 10 GbE NIC (a GPU cluster's RDMA is
                 faster, and its first sends say so)                    1.25 GB/s, 1 ms
-A slow link makes the bytes int8/fp8 save worth their encode and decode; a fast one may not be,
-and none (bit-exact, though it still copies and checksums every byte) wins. A lossy codec must be
-predicted to save a real margin over none (`lossy_min_gain_s`, `lossy_min_gain_ratio`): a near
-tie stays exact. The policy is the set of codecs allowed: one codec forces it (a tenant that needs
-exact KV allows only none), all three let the prediction decide. Exploration keeps the estimates
+A slow link makes the bytes a codec saves worth its encode and decode; a fast one may not be,
+and none (bit-exact, though it still copies and checksums every byte) wins. The policy is the set
+of codecs allowed, and a tenant's KV fidelity bounds it (`allowed_codecs`): `exact`, the default,
+allows only the lossless codecs (none, zstd), so `auto` picks between them by predicted time and
+the decode worker continues from the model's own KV; `lossy` allows int8 and fp8 too. A lossy codec
+must be predicted to save a real margin over the best lossless one (`lossy_min_gain_s`,
+`lossy_min_gain_ratio`): a near tie stays exact. One codec named forces it. Exploration keeps the estimates
 real: per peer, a codec never sent there is tried every other transfer until each allowed one has
 been once; after that at most one transfer in `explore_every` takes the least tried codec
 predicted within `explore_max_ratio` of the best. Only a transfer no larger than the peer's
@@ -36,22 +38,38 @@ from typing import Literal
 
 import torch
 
-from transfer.codec import Compression, KVLayout
+from transfer.codec import LOSSLESS, Compression, KVLayout
 from transfer.codec_cost import CodecCost, LineFit, calibrate
 
 LinkClass = Literal["process", "node", "cross_node"]
 ChoiceReason = Literal["forced", "predicted", "explore"]
+Fidelity = Literal["exact", "lossy"]
+FIDELITIES: tuple[Fidelity, ...] = ("exact", "lossy")
 ALL_CODECS: tuple[Compression, ...] = tuple(Compression)
-POLICIES = ("auto", "none", "int8", "fp8")
+EXACT_CODECS: tuple[Compression, ...] = tuple(c for c in Compression if c.lossless)
+POLICIES = ("auto", *(c.name.lower() for c in Compression))
 
 
-def allowed_codecs(policy: str) -> tuple[Compression, ...]:
-    """The codecs a policy allows: `auto` every one (the prediction decides), a codec's name only it."""
+class LossyCodecForExactTenant(ValueError):
+    """A policy names a lossy codec for KV whose fidelity is `exact`."""
+
+
+def allowed_codecs(policy: str, fidelity: Fidelity = "exact") -> tuple[Compression, ...]:
+    """The codecs a policy allows under a fidelity: `auto` every codec the fidelity admits (exact:
+    the lossless ones; lossy: all), a codec's name only it. A lossy codec named for exact KV raises
+    `LossyCodecForExactTenant`: lossy KV is an opt-in (fidelity lossy), never a side effect."""
+    if fidelity not in FIDELITIES:
+        raise ValueError(f"unknown KV fidelity {fidelity!r}; choose exact or lossy")
     if policy == "auto":
-        return ALL_CODECS
+        return EXACT_CODECS if fidelity == "exact" else ALL_CODECS
     if policy not in POLICIES:
         raise ValueError(f"unknown KV compression policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    return (Compression.parse(policy),)
+    codec = Compression.parse(policy)
+    if fidelity == "exact" and not codec.lossless:
+        raise LossyCodecForExactTenant(
+            f"KV compression {policy} is lossy, but the KV fidelity is exact; set kv_fidelity: lossy to opt in "
+            f"(README: KV fidelity), or pick a lossless codec ({', '.join(c.name.lower() for c in EXACT_CODECS)})")
+    return (codec,)
 
 
 @dataclass(frozen=True)
@@ -88,7 +106,7 @@ class ChooserConfig:
     # out) is predicted at least this long explore: a few KB teach nothing about the transfers
     # where the choice matters, and a lossy codec there would buy nothing.
     explore_min_s: float = 0.005
-    # Exact KV unless a lossy codec is predicted to save at least this much of none's time, and
+    # Exact KV unless a lossy codec is predicted to save at least this much of the best exact codec's time, and
     # this share of it: a tie, or a gain within the estimates' noise (a start-up calibration on a
     # loaded host can be off by a millisecond or two), is never worth lossy KV.
     lossy_min_gain_s: float = 0.005
@@ -143,9 +161,8 @@ class _Peer:
 class CodecChooser:
     def __init__(self, costs: Mapping[Compression, CodecCost], cfg: ChooserConfig | None = None,
                  default_link: LinkClass = "cross_node", priors: Mapping[str, LinkPrior] = LINK_PRIORS) -> None:
-        missing = set(ALL_CODECS) - set(costs)
-        if missing:
-            raise ValueError(f"no cost for codecs {sorted(c.name for c in missing)}")
+        if Compression.NONE not in costs:
+            raise ValueError("no cost for codec none: every chooser can at least send KV as it is")
         self.cfg = cfg or ChooserConfig()
         self.default_link = default_link
         self._priors = dict(priors)
@@ -195,13 +212,19 @@ class CodecChooser:
     def predict(self, peer: str, raw_bytes: int) -> dict[str, float]:
         """Predicted encode + wire + decode seconds of every codec, by name."""
         with self._lock:
-            return {c.name.lower(): s for c, s in self._predict(self._peer(peer), raw_bytes, ALL_CODECS).items()}
+            return {c.name.lower(): s for c, s in self._predict(self._peer(peer), raw_bytes, self._costs).items()}
 
     def choose(self, peer: str, raw_bytes: int, allowed: Iterable[Compression] = ALL_CODECS) -> CodecChoice:
-        """The codec to send `raw_bytes` of KV to `peer` with, among `allowed` (in codec order)."""
-        allowed = sorted(set(allowed))
-        if not allowed:
+        """The codec to send `raw_bytes` of KV to `peer` with, among `allowed` (in codec order) that
+        this worker can send (a device-shard worker has no host-only codec: none stands in)."""
+        wanted = set(allowed)
+        if not wanted:
             raise ValueError("no codec allowed")
+        allowed = sorted(wanted & set(self._costs))
+        if not allowed and wanted <= LOSSLESS:
+            allowed = [Compression.NONE]  # exact KV: a lossless codec this worker lacks falls back to none
+        if not allowed:
+            raise ValueError(f"none of {sorted(c.name.lower() for c in wanted)} can be sent from this worker")
         with self._lock:
             state = self._peer(peer)
             predicted = self._predict(state, raw_bytes, allowed)
@@ -211,10 +234,12 @@ class CodecChooser:
             state.num_choices += 1
             state.typical_raw += (raw_bytes - state.typical_raw) * (1.0 if state.num_choices == 1 else self.cfg.decay)
             best = min(allowed, key=lambda c: (predicted[c], c))
-            if Compression.NONE in predicted and best is not Compression.NONE:
-                exact = predicted[Compression.NONE]
-                if exact - predicted[best] < max(self.cfg.lossy_min_gain_s, self.cfg.lossy_min_gain_ratio * exact):
-                    best = Compression.NONE
+            exact = [c for c in allowed if c.lossless]
+            if exact and not best.lossless:  # lossy only for a real gain over the best exact codec
+                best_exact = min(exact, key=lambda c: (predicted[c], c))
+                exact_s = predicted[best_exact]
+                if exact_s - predicted[best] < max(self.cfg.lossy_min_gain_s, self.cfg.lossy_min_gain_ratio * exact_s):
+                    best = best_exact
             sized = predicted[best] - self._wire_fixed_s(state)  # what depends on the transfer's size
             worth = raw_bytes <= state.typical_raw and sized >= self.cfg.explore_min_s
             explore = self._exploration(state, best, predicted) if worth else None

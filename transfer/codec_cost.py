@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transfer.codec import Compression, KVLayout, decode_shard, encode
+from transfer.codec import HOST_ONLY, Compression, KVLayout, decode_shard, encode
 
 MIB = 1 << 20
 MIN_PER_BYTE_S = 1e-13  # 10 TB/s: a fitted slope is never taken as zero or negative
@@ -111,14 +111,15 @@ def calibrate(layout: KVLayout, dtype: torch.dtype, device: torch.device | str =
               reps: int = 3, decay: float = 0.2) -> dict[Compression, CodecCost]:
     """Every codec's cost on KV of this layout, dtype and device, from encoding and decoding it at
     one block and two sizes (whole blocks, at least 1 and 4 of them), the fastest of `reps` runs each.
-    `device_shards`: encode to the KV's device, as for a transport that moves device memory."""
+    `device_shards`: encode to the KV's device, as for a transport that moves device memory (the
+    host-only codecs are left out: such a worker never sends them)."""
     block_bytes = (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
                    * torch.empty((), dtype=dtype).element_size())
     small = max(1, sizes_bytes[0] // block_bytes)
     # one block too: the fixed costs (per layer group and per block) that small transfers are made of
     counts = sorted({1, small, max(4 * small, sizes_bytes[1] // block_bytes)})
     shards = max(1, min(num_shards, layout.num_layers))
-    costs = {c: CodecCost(c, decay=decay) for c in Compression}
+    costs = {c: CodecCost(c, decay=decay) for c in Compression if not (device_shards and c in HOST_ONLY)}
     warm = random_kv(layout, 1, dtype, device)
     for c in costs:  # first calls pay for lazy set-up (allocator, kernels): not a codec's cost
         for s in encode(warm, layout, compression=c, num_shards=1, device=warm.device if device_shards else None):

@@ -47,6 +47,8 @@ class PrefillReport:
     kv_codec_reason: str | None = None
     kv_codec_predicted_ms: float | None = None
     kv_codec_actual_ms: float | None = None
+    kv_fidelity: str | None = None  # exact | lossy: the tenant's, which bounded the codecs allowed
+    kv_raw_bytes: int | None = None  # the KV before its codec
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,9 @@ def _codec(section: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     return {"kv_codec": str(section["codec"]), "kv_codec_reason": str(section["reason"]),
             "kv_codec_predicted_ms": float(section["predicted_s"]) * 1e3,
-            "kv_codec_actual_ms": float(section["actual_s"]) * 1e3}
+            "kv_codec_actual_ms": float(section["actual_s"]) * 1e3,
+            "kv_fidelity": None if section.get("fidelity") is None else str(section["fidelity"]),
+            "kv_raw_bytes": None if section.get("kv_raw_bytes") is None else int(section["kv_raw_bytes"])}
 
 
 def record_from_timeline(data: Mapping[str, Any]) -> RequestRecord:

@@ -14,7 +14,7 @@ def test_tenant_shares_reach_the_engines_and_the_pool_tiers() -> None:
     sched = SchedulerSection.model_validate({"tenants": {
         "chat": {"kv_share_guaranteed": 0.4, "kv_share_max": 0.8}, "bulk": {"kv_share_max": 0.5}}})
     app = AppConfig.model_validate({"engine": {"max_offload_mib": 64}})
-    engine = app.to_worker_config(None, **sched.worker_policies()).engine
+    engine = app.to_worker_config(None, sched.worker_policies()).engine
     cache = app.to_cache_config(sched.kv_shares())
     assert cache is not None
     for shares in (engine.tenant_kv_shares, cache.tenant_shares):

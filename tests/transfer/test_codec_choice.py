@@ -8,11 +8,11 @@ import torch
 
 from transfer.codec import Compression, KVLayout
 from transfer.codec_choice import (
-    ALL_CODECS, LINK_PRIORS, ChooserConfig, CodecChooser, allowed_codecs, link_class,
+    ALL_CODECS, LINK_PRIORS, ChooserConfig, LinkPrior, CodecChooser, LossyCodecForExactTenant, allowed_codecs, link_class,
 )
 from transfer.codec_cost import CodecCost, LineFit, calibrate
 
-NONE, INT8, FP8 = Compression.NONE, Compression.INT8, Compression.FP8
+NONE, INT8, FP8, ZSTD = Compression.NONE, Compression.INT8, Compression.FP8, Compression.ZSTD
 MB = 1_000_000
 LAYOUT = KVLayout("tiny", num_layers=4, num_kv_heads=2, head_dim=16, block_size=4)
 
@@ -33,9 +33,9 @@ def costs(encode_per_mb: dict[Compression, float], ratio: dict[Compression, floa
 
 
 # Codec costs per MB each way: none copies (0.1 ms), int8 and fp8 quantize (0.3 and 0.25 ms)
-# and shrink the bytes to 0.27x and 0.25x.
-CPU = {NONE: 0.0001, INT8: 0.0003, FP8: 0.00025}
-RATIO = {NONE: 1.0, INT8: 0.27, FP8: 0.25}
+# and shrink the bytes to 0.27x and 0.25x; zstd (lossless) takes 2 ms and ships 0.7x.
+CPU = {NONE: 0.0001, INT8: 0.0003, FP8: 0.00025, ZSTD: 0.002}
+RATIO = {NONE: 1.0, INT8: 0.27, FP8: 0.25, ZSTD: 0.7}
 
 
 def quiet(**kw: object) -> ChooserConfig:
@@ -71,7 +71,7 @@ def test_a_slow_link_favours_compression_and_a_fast_one_none() -> None:
     assert chooser.choose("slow", 50 * MB).codec == FP8
     assert chooser.choose("fast", 50 * MB).codec == NONE
     assert chooser.estimate("slow").bandwidth_bytes_per_s == pytest.approx(0.5e9, rel=1e-6)
-    assert chooser.estimate("fast").num_sends == 9
+    assert chooser.estimate("fast").num_sends == 12
 
 
 def test_the_choice_switches_when_the_measured_bandwidth_changes() -> None:
@@ -86,14 +86,18 @@ def test_the_choice_switches_when_the_measured_bandwidth_changes() -> None:
     assert chooser.choose("d", 50 * MB).codec == NONE
 
 
+TIE = {NONE: 1e-4, INT8: 1e-3, FP8: 1e-4, ZSTD: 1e-2}
+TIE_RATIO = {NONE: 1.0, INT8: 0.27, FP8: 0.97, ZSTD: 0.7}
+
+
 def test_a_near_tie_stays_exact() -> None:
     # fp8 predicted 3% faster than none: within the margin, none; 10% faster: fp8
-    chooser = CodecChooser(costs({NONE: 1e-4, INT8: 1e-3, FP8: 1e-4}, {NONE: 1.0, INT8: 0.27, FP8: 0.97}), quiet())
+    chooser = CodecChooser(costs(TIE, TIE_RATIO), quiet())
     chooser.set_link("d", "process")
     choice = chooser.choose("d", 100 * MB)
     assert choice.predicted_s["fp8"] < choice.predicted_s["none"] < 1.05 * choice.predicted_s["fp8"]
     assert choice.codec == NONE and choice.reason == "predicted"
-    lax = CodecChooser(costs({NONE: 1e-4, INT8: 1e-3, FP8: 1e-4}, {NONE: 1.0, INT8: 0.27, FP8: 0.97}),
+    lax = CodecChooser(costs(TIE, TIE_RATIO),
                        quiet(lossy_min_gain_ratio=0.0, lossy_min_gain_s=0.0))
     lax.set_link("d", "process")
     assert lax.choose("d", 100 * MB).codec == FP8
@@ -124,9 +128,15 @@ def test_policy_limits_the_codecs() -> None:
     assert set(exact[0].predicted_s) == {"none"}
     lossy = chooser.choose("slow", 50 * MB, (NONE, INT8))
     assert lossy.codec == INT8 and set(lossy.predicted_s) == {"none", "int8"}
-    assert allowed_codecs("auto") == ALL_CODECS and allowed_codecs("fp8") == (FP8,)
-    with pytest.raises(ValueError, match="auto, none, int8, fp8"):
-        allowed_codecs("zstd")
+    # exact, the default fidelity: auto means the lossless codecs; a lossy one must be opted into
+    assert allowed_codecs("auto") == (NONE, ZSTD) and allowed_codecs("zstd") == (ZSTD,)
+    assert allowed_codecs("auto", "lossy") == ALL_CODECS and allowed_codecs("fp8", "lossy") == (FP8,)
+    with pytest.raises(LossyCodecForExactTenant, match="kv_fidelity: lossy"):
+        allowed_codecs("fp8")
+    with pytest.raises(ValueError, match="unknown KV fidelity"):
+        allowed_codecs("auto", "approximate")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="auto, none, int8, fp8, zstd"):
+        allowed_codecs("brotli")
     with pytest.raises(ValueError, match="no codec allowed"):
         chooser.choose("slow", MB, ())
 
@@ -142,12 +152,12 @@ def test_exploration_tries_untried_codecs_early_then_stays_bounded() -> None:
         wire = int(RATIO[choice.codec] * 20 * MB)
         chooser.record("d", choice.codec, 20 * MB, wire, CPU[choice.codec] * 20, wire / 8e9)
     explored = [i for i, r in enumerate(reasons) if r == "explore"]
-    # The never-tried codecs every other transfer (int8 before fp8); after that nothing, since both
+    # The never-tried codecs every other transfer (in codec order); after that nothing, since all
     # are predicted over 1.5x the best (none) and have been tried.
-    assert explored == [1, 3]
-    assert [codecs[i] for i in explored] == [INT8, FP8]
+    assert explored == [1, 3, 5]
+    assert [codecs[i] for i in explored] == [INT8, FP8, ZSTD]
     assert all(codecs[i] == NONE for i in range(24) if i not in explored)
-    assert chooser.estimate("d").tries == {"none": 22, "int8": 1, "fp8": 1}
+    assert chooser.estimate("d").tries == {"none": 21, "int8": 1, "fp8": 1, "zstd": 1}
 
 
 def test_only_transfers_no_larger_than_the_typical_one_explore() -> None:
@@ -177,12 +187,12 @@ def test_tiny_transfers_never_explore() -> None:
 
 
 def test_exploration_revisits_a_close_runner_up() -> None:
-    near = {NONE: 0.001, INT8: 0.0012, FP8: 0.0012}
-    chooser = CodecChooser(costs(near, {NONE: 1.0, INT8: 0.9, FP8: 0.9}), ChooserConfig(explore_every=3))
+    near = {NONE: 0.001, INT8: 0.0012, FP8: 0.0012, ZSTD: 0.01}
+    chooser = CodecChooser(costs(near, {NONE: 1.0, INT8: 0.9, FP8: 0.9, ZSTD: 0.7}), ChooserConfig(explore_every=3))
     chooser.set_link("d", "process")
     picks = []
     for _ in range(12):
-        picks.append(chooser.choose("d", 10 * MB))
+        picks.append(chooser.choose("d", 10 * MB, (NONE, INT8, FP8)))
         chooser.record("d", picks[-1].codec, 10 * MB, 10 * MB, 0.01, 10 * MB / 8e9)
     # int8 and fp8 untried: transfers 2 and 4 (index 1, 3); then every 3rd: 7 and 10
     assert [(i, p.codec) for i, p in enumerate(picks) if p.reason == "explore"] == [
@@ -235,7 +245,7 @@ def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         ChooserConfig(decay=0)
     with pytest.raises(ValueError, match="no cost"):
-        CodecChooser({NONE: CodecCost(NONE)})
+        CodecChooser({INT8: CodecCost(INT8)})
 
 
 def test_calibration_measures_every_codec_on_the_layout() -> None:
@@ -247,4 +257,39 @@ def test_calibration_measures_every_codec_on_the_layout() -> None:
     assert measured[NONE].wire_ratio > 1.0  # headers
     assert measured[INT8].wire_ratio < 0.5 and measured[FP8].wire_ratio < 0.5  # of float32 KV
     chooser = CodecChooser.calibrated(LAYOUT, torch.bfloat16, cfg=quiet())
-    assert set(chooser.predict("d", 1 << 20)) == {"none", "int8", "fp8"}
+    assert set(chooser.predict("d", 1 << 20)) == {"none", "int8", "fp8", "zstd"}
+    assert measured[ZSTD].wire_ratio < 1.0  # random normal KV: its exponents compress too
+
+
+def test_exact_kv_picks_between_the_lossless_codecs_by_predicted_time() -> None:
+    """The default fidelity: on a slow link zstd's fewer bytes win, on a fast one none; a lossy
+    codec is never picked, however much faster it is predicted."""
+    chooser = CodecChooser(costs(CPU, RATIO), quiet())
+    feed_wire(chooser, "slow", 0.05e9)
+    feed_wire(chooser, "fast", 20e9)
+    exact = allowed_codecs("auto")
+    slow = chooser.choose("slow", 50 * MB, exact)
+    assert slow.codec == ZSTD and set(slow.predicted_s) == {"none", "zstd"}
+    assert chooser.choose("fast", 50 * MB, exact).codec == NONE
+    assert chooser.choose("slow", 50 * MB, allowed_codecs("auto", "lossy")).codec == FP8
+
+
+SLOW_LINK = {**LINK_PRIORS, "cross_node": LinkPrior(0.1e9, 0.0)}  # every peer's wire: 0.1 GB/s
+
+
+def test_a_lossy_codec_needs_a_real_gain_over_the_best_exact_one() -> None:
+    # zstd predicted 3% slower than fp8: lossy buys too little, zstd goes (none is far slower)
+    cpu = {NONE: 1e-4, INT8: 1e-2, FP8: 1e-3, ZSTD: 1e-3}
+    chooser = CodecChooser(costs(cpu, {NONE: 1.0, INT8: 0.27, FP8: 0.25, ZSTD: 0.26}), quiet(), priors=SLOW_LINK)
+    choice = chooser.choose("slow", 50 * MB, allowed_codecs("auto", "lossy"))
+    assert choice.predicted_s["fp8"] < choice.predicted_s["zstd"] < 1.05 * choice.predicted_s["fp8"]
+    assert choice.codec == ZSTD
+
+
+def test_a_worker_without_a_host_codec_sends_exact_kv_as_none() -> None:
+    """A device-shard worker is calibrated without zstd: an exact tenant's KV then goes as none."""
+    device_costs = {c: cost for c, cost in costs(CPU, RATIO).items() if c is not ZSTD}
+    chooser = CodecChooser(device_costs, quiet(), priors=SLOW_LINK)
+    assert chooser.choose("slow", 50 * MB, (ZSTD,)).codec == NONE
+    assert chooser.choose("slow", 50 * MB, allowed_codecs("auto")).codec == NONE
+    assert chooser.choose("slow", 50 * MB, allowed_codecs("auto", "lossy")).codec == FP8

@@ -18,11 +18,14 @@ from actors.handoff import kv_layout
 from actors.messages import GenerationRequest, PrefillResult, TokenEvent
 from actors.prefill import PrefillWorker
 from actors.prefix_cache.pool import PrefixCachePool
-from actors.worker_config import WorkerConfig
+from actors.worker_config import TenantKVPolicy, WorkerConfig
 from transfer.config import TransferConfig, make_transport
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 NUM_BLOCKS = 64
+
+
+LOSSY = TenantKVPolicy(fidelity="lossy")  # a tenant that opted into lossy KV codecs
 
 
 def worker_config(model: Path, **kw: object) -> WorkerConfig:

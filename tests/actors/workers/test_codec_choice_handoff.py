@@ -1,7 +1,8 @@
 """Prefill -> decode handoffs with `compression: auto`: each transfer ships the codec the chooser
-picked (none over a fast link, a compressed one over a slow link, none whenever the tenant needs
-exact KV), the decode worker's tokens are those of that codec's KV, and the prefill report
-carries the choice with its predicted and actual seconds."""
+picked (none over a fast link; over a slow one zstd, lossless, for a tenant with exact KV, the
+default, and a lossy codec for a tenant that opted into lossy KV), the decode worker's tokens are
+those of that codec's KV (the engine's own for exact tenants), and the prefill report carries the
+choice with its predicted and actual seconds and the tenant's fidelity."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transfer.codec import Compression
 from transfer.codec_choice import ALL_CODECS, ChooserConfig, CodecChooser
 from transfer.codec_cost import CodecCost
 
-from .harness import GREEDY, LocalCluster, Run, random_tokens, reference, worker_config
+from .harness import GREEDY, LOSSY, LocalCluster, Run, random_tokens, reference, worker_config
 
 MB = 1_000_000
 
@@ -31,17 +32,21 @@ class SteeredChooser(CodecChooser):
         super().record(peer, codec, raw, wire, encode_s, wire_s)
 
 
+# Steered codec lines, seconds per MB each way, and wire ratios: none is the cheapest codec, int8
+# and fp8 alike shrink the bytes most, zstd (lossless) less and slower.
+PER_MB = {Compression.NONE: 1e-4, Compression.INT8: 3e-4, Compression.FP8: 3e-4, Compression.ZSTD: 2e-3}
+RATIO = {Compression.NONE: 1.0, Compression.INT8: 0.3, Compression.FP8: 0.3, Compression.ZSTD: 0.7}
+
+
 def steered_chooser() -> SteeredChooser:
-    """Codec lines where none is the cheapest codec (0.1 ms/MB each way vs 0.3), and no exploration:
-    the link alone decides."""
+    """Codec lines as PER_MB and RATIO say, and no exploration: the link alone decides."""
     costs = {}
     for c in ALL_CODECS:
         cost = costs[c] = CodecCost(c)
-        per_mb = 1e-4 if c is Compression.NONE else 3e-4
         for raw in (MB, 4 * MB):
-            cost.encode.add(raw, per_mb * raw / MB)
-            cost.decode.add(raw, per_mb * raw / MB)
-        cost.wire_ratio = 1.0 if c is Compression.NONE else 0.3
+            cost.encode.add(raw, PER_MB[c] * raw / MB)
+            cost.decode.add(raw, PER_MB[c] * raw / MB)
+        cost.wire_ratio = RATIO[c]
     return SteeredChooser(costs, ChooserConfig(explore_every=10_000))
 
 
@@ -50,9 +55,8 @@ def set_wire(chooser: SteeredChooser, peer: str, bytes_per_s: float) -> None:
     for _ in range(30):  # enough decayed samples that earlier ones no longer count
         for size in (10_000, 40_000):
             for c in ALL_CODECS:
-                wire = size if c is Compression.NONE else int(0.3 * size)
-                encode_s = (1e-4 if c is Compression.NONE else 3e-4) * size / MB
-                chooser.steer(peer, c, size, wire, encode_s, wire / bytes_per_s)
+                wire = int(RATIO[c] * size)
+                chooser.steer(peer, c, size, wire, PER_MB[c] * size / MB, wire / bytes_per_s)
 
 
 def test_auto_ships_the_chosen_codec_and_decodes_its_tokens(tiny_model_dir: Path) -> None:
@@ -60,7 +64,7 @@ def test_auto_ships_the_chosen_codec_and_decodes_its_tokens(tiny_model_dir: Path
     exact = reference(tiny_model_dir, prompts, GREEDY)
 
     async def main() -> dict[str, list[Run]]:
-        cfg = worker_config(tiny_model_dir, compression="auto", tenant_compression=(("bank", "none"),))
+        cfg = worker_config(tiny_model_dir, compression="auto", tenant_kv=(("lab", LOSSY),))
         cluster = await LocalCluster.start(cfg)
         chooser = cluster.prefills[0].codecs = steered_chooser()
         runs: dict[str, list[Run]] = {}
@@ -70,13 +74,13 @@ def test_auto_ships_the_chosen_codec_and_decodes_its_tokens(tiny_model_dir: Path
                 return list(await asyncio.gather(*(cluster.run(r) for r in reqs)))
 
             set_wire(chooser, cluster.peer, 1e6)  # 1 MB/s: bytes are dear
-            runs["slow"] = await batch("slow-")
-            runs["slow, exact tenant"] = await batch("bank-", tenant="bank")
+            runs["slow"] = await batch("slow-", tenant="lab")
+            runs["slow, exact tenant"] = await batch("bank-")
             set_wire(chooser, cluster.peer, 1e12)
-            runs["fast"] = await batch("fast-")
+            runs["fast"] = await batch("fast-", tenant="lab")
             assert cluster.decode is not None and cluster.decode.receiver_stats().num_committed == 9
             decoded = cluster.decode.receiver_stats().decoded_raw_bytes
-            assert set(decoded) == {"none"} | {r.result.kv_codec for r in runs["slow"]}  # type: ignore[union-attr]
+            assert set(decoded) == {"none", "zstd"} | {r.result.kv_codec for r in runs["slow"]}  # type: ignore[union-attr]
         finally:
             cluster.close()
         return runs
@@ -84,21 +88,26 @@ def test_auto_ships_the_chosen_codec_and_decodes_its_tokens(tiny_model_dir: Path
     runs = asyncio.run(main())
     lossy = [r.result.kv_codec for r in runs["slow"]]  # type: ignore[union-attr]
     assert set(lossy) == {"int8"}  # int8 and fp8 are steered alike: a tie goes to the first codec
+    assert [r.result.kv_codec for r in runs["slow, exact tenant"]] == ["zstd"] * 3  # type: ignore[union-attr]
+    assert [r.result.kv_codec for r in runs["fast"]] == ["none"] * 3  # type: ignore[union-attr]
     for name in ("slow, exact tenant", "fast"):
-        assert [r.result.kv_codec for r in runs[name]] == ["none"] * 3  # type: ignore[union-attr]
-        assert [r.token_ids for r in runs[name]] == exact
+        assert [r.token_ids for r in runs[name]] == exact  # lossless: the engine's own tokens
     reasons = {name: {r.result.kv_codec_reason for r in rs} for name, rs in runs.items()}  # type: ignore[union-attr]
-    assert reasons == {"slow": {"predicted"}, "slow, exact tenant": {"forced"}, "fast": {"predicted"}}
+    assert reasons == {"slow": {"predicted"}, "slow, exact tenant": {"predicted"}, "fast": {"predicted"}}
+    fidelity = {name: {r.result.kv_fidelity for r in rs} for name, rs in runs.items()}  # type: ignore[union-attr]
+    assert fidelity == {"slow": {"lossy"}, "slow, exact tenant": {"exact"}, "fast": {"lossy"}}
+    for run in runs["slow, exact tenant"]:
+        assert run.result is not None and set(dict(run.result.kv_codec_predictions)) == {"none", "zstd"}
     for run in runs["slow"]:
         r = run.result
-        assert r is not None and set(dict(r.kv_codec_predictions)) == {"none", "int8", "fp8"}
+        assert r is not None and set(dict(r.kv_codec_predictions)) == {"none", "int8", "fp8", "zstd"}
         assert r.kv_codec_predicted_s == min(dict(r.kv_codec_predictions).values())
         assert r.kv_codec_actual_s >= r.kv_encode_s + r.kv_send_s > 0
         assert r.kv_wire_bytes < r.kv_raw_bytes / 2
 
     # Each slow run's tokens are exactly those of a worker forced to its codec: auto shipped it.
     async def forced(codec: str) -> list[list[int]]:
-        cluster = await LocalCluster.start(worker_config(tiny_model_dir, compression=codec))
+        cluster = await LocalCluster.start(worker_config(tiny_model_dir, compression=codec, default_tenant_kv=LOSSY))
         try:
             reqs = [GenerationRequest(f"forced-{i}", p, GREEDY) for i, p in enumerate(prompts)]
             done = [await cluster.run(r) for r in reqs]
@@ -119,7 +128,7 @@ def test_a_prefill_worker_calibrates_its_chooser_for_its_own_kv(tiny_model_dir: 
             assert chooser.estimate(cluster.peer).link == "process"  # the in-process transport
             before = chooser.estimate(cluster.peer).num_sends
             run = await cluster.run(GenerationRequest("c", random_tokens(40, seed=5), GREEDY))
-            assert run.result is not None and run.result.kv_codec in {"none", "int8", "fp8"}
+            assert run.result is not None and run.result.kv_codec in {"none", "zstd"}  # exact: the default
             assert chooser.estimate(cluster.peer).num_sends == before + 1
             assert run.result.kv_codec_predicted_s == pytest.approx(
                 dict(run.result.kv_codec_predictions)[run.result.kv_codec])

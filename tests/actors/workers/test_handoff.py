@@ -17,7 +17,7 @@ from actors.messages import GenerationRequest
 from transfer.codec import encode
 from transfer.config import make_transport
 
-from .harness import GREEDY, NUM_BLOCKS, LocalCluster, random_tokens, reference, worker_config
+from .harness import GREEDY, LOSSY, NUM_BLOCKS, LocalCluster, random_tokens, reference, worker_config
 
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=40, seed=11, ignore_eos=True)
 
@@ -61,7 +61,7 @@ def test_int8_on_the_wire_sends_the_codecs_exact_size(tiny_model_dir: Path) -> N
     prompt = random_tokens(50, seed=3)
 
     async def main() -> None:
-        cluster = await LocalCluster.start(worker_config(tiny_model_dir, compression="int8", num_shards=2))
+        cluster = await LocalCluster.start(worker_config(tiny_model_dir, compression="int8", num_shards=2, default_tenant_kv=LOSSY))
         try:
             run = await cluster.run(GenerationRequest("q", prompt, GREEDY))
             assert run.result is not None and len(run.token_ids) == 8
