@@ -51,7 +51,7 @@ from actors.engine.tokenizer import Tokenizer
 from actors.messages import GenerationRequest, PrefillResult, TokenEvent
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.ray_actors import RemoteColocated, RemotePrefill, start_pd
-from actors.worker_config import WorkerConfig
+from actors.worker_config import WorkerConfig, TenantKVPolicy
 from bench.common import format_table, progress, run_on_local_ray
 from bench.pd_codecs import LINK_KEYS, bench_codecs, render_codecs
 from cluster.router.client import Router
@@ -238,7 +238,8 @@ async def bench_serving(args: argparse.Namespace) -> dict[str, Any]:
         for comp in ("int8", "fp8"):
             progress(f"compression {comp}: starting a prefill actor")
             name = f"bench-prefill-{comp}"
-            actor = RemotePrefill.remote(dataclasses.replace(cfg, compression=comp), name, None, 1)
+            lossy = dataclasses.replace(cfg, compression=comp, default_tenant_kv=TenantKVPolicy(fidelity="lossy"))
+            actor = RemotePrefill.remote(lossy, name, None, 1)
             try:
                 await asyncio.wait_for(actor.add_peer.remote(decode_meta), 120)
                 client = Router(ray_handles({name: actor}), ray_handles(pd.decodes), CLIENT)

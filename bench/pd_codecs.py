@@ -1,9 +1,10 @@
-"""bench/pd.py's codec part: transfer + codec time per request with none / int8 / fp8 fixed, and auto.
+"""bench/pd.py's codec part: transfer + codec time per request with each codec fixed, and auto.
 
 For each link this machine can measure, one decode worker and four prefill workers in this process
 (plain classes; the four share one engine, so each prompt is computed once and its prefix blocks
 serve every policy, but each worker has its own endpoint and its own codec chooser): compression
-none, int8, fp8, and auto. Links: the in-process transport (`local`), the Ray object store on this
+none, zstd, int8, fp8 fixed; auto for an exact tenant (the default: it picks none or zstd) and
+auto-lossy for a tenant that opted into lossy KV. Links: the in-process transport (`local`), the Ray object store on this
 node, NIXL over loopback when it imports, and an EMULATED cross-node link: the in-process transport
 throttled to `--emulated-gbps` (a NIC's rate; it stands in for a cross-node link, which this machine
 does not have). Prompts are windows of this repository's own docs (real text) of the given lengths.
@@ -39,14 +40,26 @@ from actors.engine.tokenizer import Tokenizer
 from actors.handoff import kv_layout
 from actors.messages import GenerationRequest, PrefillResult
 from actors.prefill import PrefillWorker
-from actors.worker_config import MIB, WorkerConfig
+from actors.worker_config import MIB, TenantKVPolicy, WorkerConfig
 from bench.common import format_table, progress
 from bench.shadow import doc_tokens, windows
+from transfer.codec import Compression
 from transfer.config import TransferConfig, make_transport
 from transfer.nixl import nixl_available
 from transfer.transport import Buffer, KVTransport, SendStats
 
-POLICIES = ("none", "int8", "fp8", "auto")
+# Fixed codecs, then auto for an exact tenant (the default: none or zstd) and for a lossy one (all four).
+FIXED = ("none", "zstd", "int8", "fp8")
+AUTOS = ("auto", "auto-lossy")
+POLICIES = FIXED + AUTOS
+LOSSY_KV = TenantKVPolicy(fidelity="lossy")
+
+
+def policy_config(cfg: WorkerConfig, policy: str) -> WorkerConfig:
+    """`cfg` for one policy's prefill worker: its codec, and lossy KV where the policy may pick a lossy codec."""
+    lossy = policy == "auto-lossy" or not Compression.parse(policy if policy in FIXED else "none").lossless
+    return replace(cfg, compression="auto" if policy in AUTOS else policy,
+                   default_tenant_kv=LOSSY_KV if lossy else TenantKVPolicy())
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 
@@ -116,7 +129,7 @@ class LinkRun:
             transport: Any = make_transport(f"cp-{policy}-{tag}", tcfg)
             if link.throttle_bytes_per_s is not None:
                 transport = ThrottledTransport(transport, link.throttle_bytes_per_s)
-            self.prefills[policy] = PrefillWorker(replace(wcfg, compression=policy), shared, transport, layout)
+            self.prefills[policy] = PrefillWorker(policy_config(wcfg, policy), shared, transport, layout)
         self.peer = ""
 
     async def start(self) -> None:
@@ -147,17 +160,19 @@ async def run_link(link: Link, cfg: WorkerConfig, prompts: Sequence[list[int]], 
         # Warm-up: passes over the prompts (their prefill, auto's first sends to the peer) until
         # auto has tried every codec there, at most 3: its learning phase, reported apart.
         warm: list[CodecSample] = []
-        chooser = run.prefills["auto"].codecs
+        choosers = {p: run.prefills[p].codecs for p in AUTOS}
         for n in range(3):
             for i, prompt in enumerate(prompts):
                 for policy in POLICIES:
                     warm.append(await run.send(policy, request(f"warm{n}-p{i}-{policy}", prompt)))
-            if len(chooser.estimate(run.peer).tries) == len(POLICIES) - 1:
+            if all(len(choosers[p].estimate(run.peer).tries) == len(run.prefills[p].cfg.codecs_for(""))
+                   for p in AUTOS):
                 break
         samples = []
         for r in range(rounds):
             for i, prompt in enumerate(prompts):
-                order = POLICIES[(r + i) % 4:] + POLICIES[: (r + i) % 4]
+                k = (r + i) % len(POLICIES)
+                order = POLICIES[k:] + POLICIES[:k]
                 for policy in order:
                     samples.append(await run.send(policy, request(f"r{r}-p{i}-{policy}", prompt)))
             progress(f"codecs: {link.name}: round {r + 1}/{rounds}")
@@ -184,7 +199,7 @@ def summarize(samples: Sequence[CodecSample]) -> dict[str, Any]:
             "by_length_total_ms": {n: 1e3 * statistics.mean(s.total_s for s in mine if s.num_prompt_tokens == n)
                                    for n in sorted({s.num_prompt_tokens for s in mine})},
         }
-        if policy == "auto":
+        if policy in AUTOS:
             row["chosen"] = dict(Counter(s.result.kv_codec for s in mine))
             row["explored"] = sum(s.result.kv_codec_reason == "explore" for s in mine)
             row["predicted_ms_mean"] = 1e3 * statistics.mean(s.result.kv_codec_predicted_s for s in mine)
@@ -195,9 +210,14 @@ def summarize(samples: Sequence[CodecSample]) -> dict[str, Any]:
                                 "predicted_ms": {c: 1e3 * t for c, t in s.result.kv_codec_predictions}}
                                for s in mine]
         by_policy[policy] = row
-    best = min(POLICIES[:3], key=lambda p: by_policy[p]["total_ms_mean"])
-    return {"policies": by_policy, "best_fixed": best, "num_requests_per_policy": len(samples) // 4,
-            "auto_le_best_fixed": by_policy["auto"]["total_ms_mean"] <= by_policy[best]["total_ms_mean"]}
+    best = min(FIXED, key=lambda p: by_policy[p]["total_ms_mean"])
+    best_exact = min(("none", "zstd"), key=lambda p: by_policy[p]["total_ms_mean"])
+    total = {p: by_policy[p]["total_ms_mean"] for p in POLICIES}
+    return {"policies": by_policy, "best_fixed": best, "best_exact": best_exact,
+            "num_requests_per_policy": len(samples) // len(POLICIES),
+            "auto_vs_none": total["auto"] / total["none"],  # the default (exact) auto against plain none
+            "auto_le_best_fixed": total["auto-lossy"] <= total[best],
+            "auto_exact_le_best_exact": total["auto"] <= total[best_exact]}
 
 
 async def bench_codecs(lengths: Sequence[int], rounds: int, emulated_gbps: float,
@@ -220,19 +240,18 @@ def render_codecs(f: dict[str, Any]) -> str:
     rows = []
     for name, s in f["links"].items():
         p = s["policies"]
-        auto = p["auto"]
-        mix = " ".join(f"{c}:{n}" for c, n in sorted(auto["chosen"].items()))
         w = s["warmup"]["policies"]
-        rows.append([name, *(p[k]["total_ms_mean"] for k in POLICIES), s["best_fixed"],
-                     "yes" if s["auto_le_best_fixed"] else "NO", mix, auto["explored"],
-                     auto["predicted_ms_mean"], auto["sender_actual_ms_mean"], w["auto"]["total_ms_mean"],
-                     w[s["warmup"]["best_fixed"]]["total_ms_mean"]])
+        mixes = [" ".join(f"{c}:{n}" for c, n in sorted(p[a]["chosen"].items())) for a in AUTOS]
+        rows.append([name, *(p[k]["total_ms_mean"] for k in POLICIES), s["auto_vs_none"],
+                     "yes" if s["auto_exact_le_best_exact"] else "NO", "yes" if s["auto_le_best_fixed"] else "NO",
+                     *mixes, p["auto"]["explored"] + p["auto-lossy"]["explored"],
+                     w["auto"]["total_ms_mean"], w["none"]["total_ms_mean"]])
     title = (f"KV transfer + codec time per request (encode + send + receiver decode, mean ms), prompts "
              f"{', '.join(map(str, f['prompt_tokens']))} tokens of real text, {f['rounds']} rounds; "
              f"after warm-up passes over the prompts (their means: last two columns); EMULATED = throttled, "
              f"not a real NIC")
-    heads = ["link", *(f"{k} ms" for k in POLICIES), "best fixed", "auto <= best", "auto chose", "explored",
-             "auto predicted ms", "auto actual ms", "warm-up auto ms", "warm-up best ms"]
+    heads = ["link", *(f"{k} ms" for k in POLICIES), "auto / none", "auto <= best exact", "auto-lossy <= best",
+             "auto chose", "auto-lossy chose", "explored", "warm-up auto ms", "warm-up none ms"]
     detail = []
     for name, s in f["links"].items():
         for k in POLICIES:

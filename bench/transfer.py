@@ -222,12 +222,32 @@ def codec_figures(num_blocks: int) -> list[dict[str, Any]]:
     return rows
 
 
+def write_quality(path: str, by_dtype: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    """The lossy codecs' greedy agreement and logprob drift, per dtype, as `ferry status` reads them."""
+    doc = {"model": "smollm2", "measured": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "tokens": args.tokens,
+           "prompt_tokens": args.prompt_tokens or "short",
+           "command": f"python bench/transfer.py --parts quality --prompts {args.prompts} --tokens {args.tokens}"
+                      f" --dtypes {args.dtypes} --write-quality {path}",
+           "codecs": {dtype: {r["variant"]: {k: r[k] for k in ("forced_agreement", "free_agreement",
+                                                                "prompts_identical", "mean_kl", "max_logit_diff")}
+                              for r in rows if r["variant"] in ("none", "int8", "fp8", "1-ulp")}
+                      for dtype, rows in by_dtype.items()}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
 # ---------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     ap.add_argument("--sizes-mib", default="1,16,256")
-    ap.add_argument("--parts", default="transport,codec,quality", help="which tables to produce")
+    ap.add_argument("--parts", default="transport,codec,quality",
+                    help="which tables to produce (lossless: the zstd codec on SmolLM2's real KV)")
+    ap.add_argument("--lossless-tokens", default="1024,2048,4096", help="lossless: prompt lengths, tokens")
+    ap.add_argument("--write-quality", metavar="FILE",
+                    help="quality: also write the lossy codecs' figures there (deploy/kv_codec_quality.json is "
+                         "what `ferry status` and the README show)")
     ap.add_argument("--no-ray", action="store_true", help="skip the object-store row (no Ray start)")
     ap.add_argument("--codec-blocks", type=int, default=128, help="KV blocks in the codec figures")
     ap.add_argument("--prompts", type=int, default=20)
@@ -262,14 +282,20 @@ def main() -> None:
         if "nixl" in gbps:
             figures["nixl_vs_shm"] = {str(s // MIB): gbps["nixl"][s] / gbps["shm round trip"][s] for s in sizes}
     if "codec" in parts:
-        log("codecs")
+        log("codecs")  # the lossless one on real KV: --parts lossless
         figures["codec"] = codec_figures(args.codec_blocks)
+    if "lossless" in parts:
+        from bench.transfer_lossless import lossless_figures
+
+        figures["lossless"] = lossless_figures(args.dtypes.split(","), [int(n) for n in args.lossless_tokens.split(",")])
     if "quality" in parts and args.prompts > 0:
         figures["quality"] = {}
         figures["quality_prompt_tokens"] = args.prompt_tokens or "short"
         for dtype in args.dtypes.split(","):
             log(f"quality on SmolLM2 in {dtype}")
             figures["quality"][dtype] = quality(args.prompts, args.tokens, dtype, args.prompt_tokens)
+        if args.write_quality:
+            write_quality(args.write_quality, figures["quality"], args)
     if args.json:
         print(json.dumps(figures, indent=2))
         return
@@ -283,6 +309,10 @@ def main() -> None:
         keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
         codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
         print(table("Codec on SmolLM2-shaped bf16 KV, 4 shards", keys, codec_rows), end="\n\n")
+    if "lossless" in figures:
+        from bench.transfer_lossless import render
+
+        print(render(figures["lossless"], table), end="\n\n")
     if "quality" in figures:
         keys = ["forced_agreement", "forced_agreement_ties", "free_agreement", "prompts_identical", "max_logit_diff",
                 "mean_kl"]

@@ -98,8 +98,10 @@ class EngineSection(ConfigSection):
         "auto", description="auto: cuda when the Ray cluster has GPUs (each worker then asks Ray for one, or "
                             "a fraction), else cpu; cuda asks for GPUs even before a GPU node is up")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX), else "
-                            "float32 (3.5x faster than emulated bf16 on an AVX2 CPU)")
+        "float32", description="float32, the default: the precision the model's weights dequantize to, so greedy "
+                               "output is the float32 model's (what transformers computes); auto: bfloat16 on GPUs "
+                               "and on CPUs with native bf16 (AVX512-BF16, AMX), else float32 - faster, and an "
+                               "opt-in like a lossy KV codec: bf16 rounding changes some greedy tokens")
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     block_size: int = Field(16, gt=0)
     kv_cache_mib: int | None = Field(

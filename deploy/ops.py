@@ -188,7 +188,28 @@ def render_status(url: str, health: dict[str, Any]) -> str:
                      _cell(w.free_blocks), _cell(w.total_blocks), use, _cell(w.rss_mib)))
     if len(rows) > 1:
         out += _table(rows, num_left=3)
-    return "\n".join(out + kv_plan_lines(workers) + slo_lines(health.get("slo")))
+    return "\n".join(out + kv_plan_lines(workers) + slo_lines(health.get("slo")) + codec_quality_lines())
+
+
+QUALITY_FILE = Path(__file__).with_name("kv_codec_quality.json")
+
+
+def codec_quality_lines(path: Path = QUALITY_FILE) -> list[str]:
+    """What each KV codec costs in output quality on SmolLM2, as `bench/transfer.py --write-quality`
+    measured it: the price a tenant with kv_fidelity lossy pays (exact tenants get none or zstd)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    out = [f"KV codecs (exact tenants: none, zstd, bit-exact; lossy tenants may get int8, fp8). Measured "
+           f"{doc.get('measured', '?')} on {doc.get('model', '?')}, {doc.get('prompts')} prompts x {doc.get('tokens')} "
+           f"greedy tokens ({doc.get('command', '')}):"]
+    rows = [("DTYPE", "CODEC", "GREEDY AGREEMENT", "IDENTICAL PROMPTS", "MEAN KL (NATS)", "MAX LOGIT DIFF")]
+    for dtype, codecs in doc.get("codecs", {}).items():
+        for name, q in codecs.items():
+            rows.append((dtype, name, f"{q['forced_agreement']:.2%}", f"{q['prompts_identical']}/{doc.get('prompts')}",
+                         f"{q['mean_kl']:.1e}", f"{q['max_logit_diff']:.3f}"))
+    return out + _table(rows, num_left=2)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

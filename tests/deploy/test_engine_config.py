@@ -18,7 +18,7 @@ from deploy.config import MIB, AppConfig, ConfigError, load_config, read_args
 def test_defaults_plan_the_kv_pool_on_the_device_ray_grants() -> None:
     cfg = AppConfig()
     engine = cfg.to_engine_config()
-    assert (engine.device, engine.dtype, engine.kv_cache_bytes, engine.num_blocks) == ("auto", "auto", None, None)
+    assert (engine.device, engine.dtype, engine.kv_cache_bytes, engine.num_blocks) == ("auto", "float32", None, None)
     assert (engine.kv_memory_fraction, engine.kv_cpu_max_bytes, engine.enforce_eager) == (0.9, 2048 * MIB, False)
     assert engine.kv_memory_share == 0.5  # 1 prefill + 1 decode engine on the host
 

@@ -1,0 +1,108 @@
+"""Exact by default, through the real disaggregated app: Ray, Serve, the prefill and decode
+deployments, the KV over the configured transport (NIXL where it imports), with deploy/serve.yaml's
+own settings (compression auto, float32). Greedy tokens for short and >= 600-token prompts, sent
+several at once, equal the in-process engine's exactly, on a tiny random model and on SmolLM2; every
+exact tenant's transfer names a lossless codec in its timeline, and a tenant that opted into lossy KV
+gets the lossy codec it asked for (and its fidelity) in its own."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.actors.engine.conftest import smollm2_gguf  # noqa: F401  (session fixture)
+from tests.deploy.serving import served_app
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PORT = 8333
+REPO = Path(__file__).resolve().parents[2]
+EXACT = {"Authorization": "Bearer sk-exact"}
+LOSSY = {"Authorization": "Bearer sk-lossy"}
+MAX_TOKENS = 16
+SHORT = ["The ferry leaves the harbor at seven in the morning", "Photosynthesis is the process by which plants"]
+
+
+def serve_yaml_args(model: str) -> dict[str, Any]:
+    """deploy/serve.yaml's app args as shipped, sized for a 2-core test box, plus two tenants: acme
+    with the defaults (exact KV), lab opted into lossy int8. P->D always (no local prefill), so
+    every request's KV crosses the wire."""
+    doc = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    args = doc["applications"][0]["args"]
+    args["model"] = model
+    args["engine"] |= {"kv_cache_mib": 64, "max_num_seqs": 8}
+    args["prefix_cache"] |= {"dram_mib": 32, "disk_mib": 0}
+    args["transfer"] |= {"staging_mib": 32}
+    args["scheduler"] = {"local_prefill": False,
+                         "tenants": {"acme": {}, "lab": {"kv_fidelity": "lossy", "kv_compression": "int8"}}}
+    args["api"] = {"api_keys": {"sk-exact": "acme", "sk-lossy": "lab"}}
+    return args
+
+
+def long_prompts(model: Path, num_tokens: int, count: int) -> list[str]:
+    """`count` distinct texts of at least `num_tokens` tokens: windows of the README."""
+    from actors.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model)
+    words = (REPO / "README.md").read_text().split()
+    out = []
+    for i in range(count):
+        at, n = 400 * i, 200
+        while len(tok.encode(" ".join(words[at : at + n]))) < num_tokens:
+            n += 100
+        out.append(" ".join(words[at : at + n]))
+    return out
+
+
+def reference(model: Path, prompts: list[str]) -> list[str]:
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import Engine
+    from actors.engine.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(model, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return [o.text for o in engine.generate(prompts, params)]
+
+
+def complete(url: str, prompt: str, headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """(greedy text, the request's timeline) through the app."""
+    import httpx2
+
+    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = httpx2.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+    assert r.status_code == 200, r.text
+    timeline = httpx2.get(f"{url}/v1/requests/{r.json()['id']}/timeline", headers=headers, timeout=30)
+    assert timeline.status_code == 200, timeline.text
+    return r.json()["choices"][0]["text"], timeline.json()
+
+
+def check_exact_by_default(ray_cluster: Any, model: Path, name: str) -> None:
+    prompts = SHORT + long_prompts(model, 600, 2)
+    want = reference(model, prompts)
+    args = serve_yaml_args(str(model))
+    args["api"]["served_model_names"] = ["m"]
+    with served_app(name, PORT, args) as url:
+        with ThreadPoolExecutor(len(prompts)) as pool:  # several at once: batched prefill and decode
+            got = list(pool.map(lambda p: complete(url, p, EXACT), prompts))
+        lossy_text, lossy_timeline = complete(url, prompts[2], LOSSY)
+    assert [text for text, _ in got] == want
+    for _, timeline in got:
+        codec = timeline["prefill"]["kv_codec"]
+        assert codec["codec"] in ("none", "zstd") and codec["lossless"] and codec["fidelity"] == "exact", codec
+    codec = lossy_timeline["prefill"]["kv_codec"]
+    assert (codec["codec"], codec["reason"], codec["fidelity"], codec["lossless"]) == ("int8", "forced", "lossy", False)
+    assert isinstance(lossy_text, str)  # int8 KV: the tokens may differ, which is the price the tenant chose
+
+
+def test_served_tiny_model_is_the_engine_token_for_token(ray_cluster: Any, tmp_path: Path) -> None:
+    from actors.engine.tiny_model import write_tiny_model
+
+    check_exact_by_default(ray_cluster, write_tiny_model(tmp_path / "tiny-exact", seed=3), "ferry-exact-tiny")
+
+
+def test_served_smollm2_is_the_engine_token_for_token(ray_cluster: Any, smollm2_gguf: Path) -> None:
+    check_exact_by_default(ray_cluster, smollm2_gguf, "ferry-exact-smollm2")
