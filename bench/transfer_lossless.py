@@ -53,7 +53,7 @@ def real_kv(dtype: str, num_tokens: int) -> tuple[torch.Tensor, KVLayout]:
     with torch.inference_mode():
         engine.runner.execute([SeqChunk(ids, 0, list(range(n)), True)])
         kv = engine.runner.read_blocks(list(range(n))).clone()
-    engine.shutdown()
+    del engine
     return kv, KVLayout(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
 
 

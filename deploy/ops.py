@@ -188,7 +188,7 @@ def render_status(url: str, health: dict[str, Any]) -> str:
                      _cell(w.free_blocks), _cell(w.total_blocks), use, _cell(w.rss_mib)))
     if len(rows) > 1:
         out += _table(rows, num_left=3)
-    return "\n".join(out + kv_plan_lines(workers) + slo_lines(health.get("slo")) + codec_quality_lines())
+    return "\n".join(out + kv_plan_lines(workers) + slo_lines(health.get("slo")))
 
 
 QUALITY_FILE = Path(__file__).with_name("kv_codec_quality.json")
@@ -223,9 +223,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         doc = {"url": args.url, "status_code": status, "healthy": bool(health.get("healthy")),
                "workers": [asdict(w) | {"used_blocks": w.used_blocks} for w in workers_of(health)],
                "slo": health.get("slo"), "health": health}
+        if args.codecs:
+            doc["kv_codecs"] = json.loads(QUALITY_FILE.read_text()) if QUALITY_FILE.is_file() else None
         print(json.dumps(doc, indent=2))
     else:
-        print(render_status(args.url, health))
+        print("\n".join([render_status(args.url, health), *(codec_quality_lines() if args.codecs else [])]))
     return 0 if health.get("healthy") else 1
 
 
@@ -279,6 +281,9 @@ def add_ops_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     st.add_argument("--url", default=DEFAULT_URL, help=f"ferry API (default {DEFAULT_URL})")
     st.add_argument("--api-key", default=None, help=key_help)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--codecs", action="store_true",
+                    help="also show what each KV codec costs in greedy agreement and logprob drift (measured by "
+                         "bench/transfer.py --write-quality): the price of kv_fidelity: lossy")
     st.set_defaults(func=cmd_status)
 
     batch = sub.add_parser("batch", help="OpenAI-format batch jobs").add_subparsers(dest="batch_cmd", required=True)

@@ -14,7 +14,8 @@ from tests.deploy.monitoring.fake_metrics import Recorded, install
 from tests.deploy.monitoring.test_provider import PREFILL, timeline
 
 CODEC = {"codec": "int8", "reason": "predicted", "predicted_s": 0.004, "actual_s": 0.005, "encode_s": 0.002,
-         "send_s": 0.002, "kv_raw_bytes": 8192, "predictions_s": {"none": 0.006, "int8": 0.004, "fp8": 0.0045}}
+         "send_s": 0.002, "kv_raw_bytes": 8192, "predictions_s": {"none": 0.006, "int8": 0.004, "fp8": 0.0045},
+         "fidelity": "lossy", "lossless": False}
 
 
 @pytest.fixture
@@ -24,7 +25,9 @@ def rec(monkeypatch: pytest.MonkeyPatch) -> Recorded:
 
 def test_the_codec_choice_becomes_a_count_and_predicted_and_actual_times(rec: Recorded) -> None:
     RequestMetrics().on_finished(timeline("r", "acme", 0.0, [25.0], "length", prefill={**PREFILL, "kv_codec": CODEC}))
-    assert rec.total("ferry_kv_transfers", codec="int8", reason="predicted") == 1
+    assert rec.total("ferry_kv_transfers", codec="int8", fidelity="lossy", reason="predicted") == 1
+    assert rec.total("ferry_kv_codec_bytes", codec="int8", fidelity="lossy", bytes="raw") == 8192
+    assert rec.total("ferry_kv_codec_bytes", codec="int8", fidelity="lossy", bytes="wire") == PREFILL["kv_wire_bytes"]
     assert rec.observed("ferry_kv_codec_ms", codec="int8", estimate="predicted") == [pytest.approx(4.0)]
     assert rec.observed("ferry_kv_codec_ms", codec="int8", estimate="actual") == [pytest.approx(5.0)]
 
@@ -49,14 +52,16 @@ def test_the_request_timeline_carries_the_prefill_workers_codec_report() -> None
         num_pool_hit_blocks=0, num_kv_blocks=3, kv_raw_bytes=8192, kv_wire_bytes=2300, num_shards=2, queued_s=0.0,
         lookup_s=0.001, compute_s=0.01, transfer_s=0.006, finished_at=1.0, kv_codec="fp8", kv_codec_reason="explore",
         kv_codec_predicted_s=0.0045, kv_codec_actual_s=0.005, kv_encode_s=0.002, kv_send_s=0.0025,
-        kv_codec_predictions=(("none", 0.004), ("int8", 0.0042), ("fp8", 0.0045)))
+        kv_codec_predictions=(("none", 0.004), ("int8", 0.0042), ("fp8", 0.0045)), kv_fidelity="lossy")
     backend = ClusterBackend.__new__(ClusterBackend)  # only what `timeline` reads
     backend.timelines, backend.client = TimelineRecorder(), _Client(result)  # type: ignore[assignment]
     backend.timelines.open("r1", "acme")
     section = backend.timeline("r1")["prefill"]["kv_codec"]  # type: ignore[index]
     assert section == {"codec": "fp8", "reason": "explore", "predicted_s": 0.0045, "actual_s": 0.005,
                        "encode_s": 0.002, "send_s": 0.0025, "kv_raw_bytes": 8192,
-                       "predictions_s": {"none": 0.004, "int8": 0.0042, "fp8": 0.0045}}
+                       "predictions_s": {"none": 0.004, "int8": 0.0042, "fp8": 0.0045},
+                       "fidelity": "lossy", "lossless": False}
     report = record_from_timeline(backend.timeline("r1")).prefill  # type: ignore[arg-type]
     assert report is not None and (report.kv_codec, report.kv_codec_reason) == ("fp8", "explore")
     assert (report.kv_codec_predicted_ms, report.kv_codec_actual_ms) == (pytest.approx(4.5), pytest.approx(5.0))
+    assert (report.kv_fidelity, report.kv_raw_bytes) == ("lossy", 8192)

@@ -153,3 +153,35 @@ def test_nothing_listening_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert captured.out == ""
     assert captured.err.startswith(f"ferry: error: cannot reach ferry at {url}: ")
     assert "is `ferry serve` running?" in captured.err
+
+
+def test_status_codecs_prints_the_table(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    app.backend.health_override = CLUSTER_HEALTH | {"slo": SLO_REPORT}
+    assert ferry(["status", "--url", app.base_url, "--codecs"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("KV codecs (exact tenants"))
+    assert out[at + 1].split()[:3] == ["DTYPE", "CODEC", "GREEDY"] and any(l.split()[:2] == ["float32", "int8"] for l in out[at:])
+    assert ferry(["status", "--url", app.base_url, "--json", "--codecs"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_codecs"]["codecs"]["float32"]["none"]["forced_agreement"] == 1.0
+
+
+def test_status_shows_what_each_lossy_codec_costs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The shipped quality file is what `ferry status` prints under the workers: every codec row, its
+    agreement and drift; a missing or broken file prints nothing rather than failing the command."""
+    import json
+
+    from deploy.ops import QUALITY_FILE, codec_quality_lines
+
+    doc = json.loads(QUALITY_FILE.read_text())
+    lines = codec_quality_lines()
+    assert lines[0].startswith("KV codecs (exact tenants: none, zstd") and doc["command"] in lines[0]
+    for dtype, codecs in doc["codecs"].items():
+        assert {"none", "int8", "fp8"} <= set(codecs)
+        for name, q in codecs.items():
+            row = next(line for line in lines if line.split()[:2] == [dtype, name])
+            assert f"{q['forced_agreement']:.2%}" in row and f"{q['mean_kl']:.1e}" in row
+    assert doc["codecs"]["float32"]["none"]["forced_agreement"] == 1.0  # exact KV agrees with itself
+    assert doc["codecs"]["float32"]["int8"]["forced_agreement"] < 1.0  # the price is real, not a placeholder
+    assert codec_quality_lines(tmp_path / "missing.json") == []
+    (tmp_path / "bad.json").write_text("{")
+    assert codec_quality_lines(tmp_path / "bad.json") == []
