@@ -13,7 +13,6 @@ the engine's). The KV pool is planned from the memory left after the weights and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
