@@ -142,7 +142,7 @@ class PrefillWorker(ReportsTelemetry):
             kv_codec_predicted_s=choice.chosen_predicted_s, kv_codec_actual_s=shipped_kv.actual_s,
             kv_encode_s=shipped_kv.encode_s, kv_send_s=sent.latency_s,
             kv_codec_predictions=tuple(choice.predicted_s.items()),
-            kv_fidelity="exact" if self.cfg.exact_kv(req.tenant) else "lossy",
+            kv_fidelity=self.cfg.kv_policy(req.tenant).fidelity,
             expert_choice=None if shipped_kv.experts is None else tuple(map(tuple, shipped_kv.experts)),
         )
 

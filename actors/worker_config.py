@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from actors.core_share import CORE_SHARE_ENV, default_core_share_path
@@ -82,8 +83,12 @@ class WorkerConfig:
             # a send that is still allowed to finish after the receiver gave up would be wasted
             raise ValueError("transfer_timeout_s must be shorter than lease_s")
 
+    @cached_property
+    def _tenant_kv(self) -> dict[str, TenantKVPolicy]:  # looked up on every handoff and pool offer
+        return dict(self.tenant_kv)
+
     def kv_policy(self, tenant: str) -> TenantKVPolicy:
-        return dict(self.tenant_kv).get(tenant, self.default_tenant_kv)
+        return self._tenant_kv.get(tenant, self.default_tenant_kv)
 
     def codecs_for_policy(self, policy: TenantKVPolicy) -> tuple[Compression, ...]:
         return allowed_codecs(self.compression if policy.compression == "auto" else policy.compression,

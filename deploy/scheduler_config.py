@@ -185,11 +185,6 @@ class SchedulerSection(ConfigSection):
         default = TenantKVPolicy() if self.default_tenant is None else self.default_tenant.kv_policy()
         return WorkerPolicies({n: t.kv_policy() for n, t in self.tenants.items()}, default, self.kv_shares())
 
-    def kv_fidelity(self) -> dict[str, str]:
-        """Each listed tenant's KV fidelity, and "*" for every other tenant (the ingress's metrics)."""
-        default = "exact" if self.default_tenant is None else self.default_tenant.kv_fidelity
-        return {**{n: t.kv_fidelity for n, t in self.tenants.items()}, "*": default}
-
     def to_link_config(self, block_size: int) -> LinkConfig:
         return LinkConfig(admit_timeout_s=self.admit_timeout_s, report_interval_s=self.report_interval_s,
                           block_size=block_size)

@@ -159,7 +159,9 @@ def _quantize(x: torch.Tensor, c: Compression) -> tuple[torch.Tensor, ...]:
     zstd: (rest bytes, the zstd frame of the exponent bytes), both flat uint8 on the host."""
     if c is Compression.ZSTD:
         exps, rest = split_exponents(x.cpu())
-        return rest, torch.frombuffer(bytearray(_zstd_compress(exps)), dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only bytes: encode only copies them into the shard
+            warnings.simplefilter("ignore", UserWarning)
+            return rest, torch.frombuffer(_zstd_compress(exps), dtype=torch.uint8)
     if c is Compression.INT8:
         return quantize_int8_kv(x)
     nl, two, n = x.shape[:3]

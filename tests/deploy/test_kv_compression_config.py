@@ -28,7 +28,7 @@ def test_auto_and_exact_are_the_default_everywhere() -> None:
     cfg = worker({}, {})
     assert cfg.compression == "auto" and cfg.codecs_for("anyone") == EXACT  # lossless only
     assert cfg.exact_kv("anyone") and cfg.pool_codec_for("anyone") == "none"
-    assert SchedulerSection().kv_fidelity() == {"*": "exact"}
+    assert SchedulerSection().worker_policies().default_tenant_kv.fidelity == "exact"
 
 
 def test_tenant_policy_wins_and_unlisted_tenants_follow_the_default_tenant() -> None:

@@ -88,14 +88,13 @@ def check_exact_by_default(ray_cluster: Any, model: Path, name: str) -> None:
     with served_app(name, PORT, args) as url:
         with ThreadPoolExecutor(len(prompts)) as pool:  # several at once: batched prefill and decode
             got = list(pool.map(lambda p: complete(url, p, EXACT), prompts))
-        lossy_text, lossy_timeline = complete(url, prompts[2], LOSSY)
+        _, lossy_timeline = complete(url, prompts[2], LOSSY)  # int8 KV: its tokens may differ, by the tenant's choice
     assert [text for text, _ in got] == want
     for _, timeline in got:
         codec = timeline["prefill"]["kv_codec"]
         assert codec["codec"] in ("none", "zstd") and codec["lossless"] and codec["fidelity"] == "exact", codec
     codec = lossy_timeline["prefill"]["kv_codec"]
     assert (codec["codec"], codec["reason"], codec["fidelity"], codec["lossless"]) == ("int8", "forced", "lossy", False)
-    assert isinstance(lossy_text, str)  # int8 KV: the tokens may differ, which is the price the tenant chose
 
 
 def test_served_tiny_model_is_the_engine_token_for_token(ray_cluster: Any, tmp_path: Path) -> None:
