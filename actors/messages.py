@@ -17,6 +17,7 @@ share no origin.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -75,6 +76,8 @@ class GenerationRequest:
     # MoE models: experts per layer its generated tokens may use, chosen from its prompt's routing
     # (the caller's `x-ferry-expert-budget`; actors/moe_handoff.py). None: its tenant's budget, if any.
     expert_budget: int | None = None
+    # None: its tenant's SLO class; "batch": the caller downgraded it (`x-ferry-slo-class: batch`).
+    slo_class: Literal["batch"] | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalise once, before anyone sees the object
@@ -122,6 +125,31 @@ class GenerationRequest:
             speculation=self.speculation,
             tpot_target_s=self.tpot_target_s,
         )
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """How one request is served, resolved once at the ingress from its tenant's settings and the
+    caller's headers (`deploy/openai/policy.py`) and written into its `GenerationRequest`
+    (`request`), which carries it to the router, the scheduler and the workers. What the tenant
+    alone decides on the workers (its KV codec and fidelity, its KV shares) is looked up there by
+    `tenant` from one `WorkerConfig`."""
+
+    tenant: str = "default"
+    slo_class: Literal["batch"] | None = None  # None: the tenant's class; "batch": downgraded by the caller
+    speculation: bool = True  # False: the caller (`x-ferry-speculation: off`) or the tenant said off
+    expert_budget: int | None = None  # MoE models: `x-ferry-expert-budget`
+    kv_recovery: Literal["shadow", "recompute"] = "recompute"  # the tenant's: shadow KV to the pool, or recompute
+
+    def request(self, request_id: str, prompt_token_ids: tuple[int, ...] | list[int], params: SamplingParams,
+                arrival_time: float | None = None) -> GenerationRequest:
+        """The request this policy runs; a shadowed one gets the secret key of its KV shadows here
+        (every attempt reuses it)."""
+        shadow = secrets.token_hex(16) if self.kv_recovery == "shadow" else None
+        return GenerationRequest(request_id, tuple(prompt_token_ids), params, tenant=self.tenant,
+                                 arrival_time=time.time() if arrival_time is None else arrival_time,
+                                 slo_class=self.slo_class, speculation=self.speculation,
+                                 expert_budget=self.expert_budget, shadow_salt=shadow)
 
 
 @dataclass(frozen=True)

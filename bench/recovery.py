@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 if __name__ == "__main__":
     _here = Path(__file__).resolve().parent  # import from the repository root, not bench/
@@ -57,7 +57,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.fetch import resolve_model
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
-from actors.messages import GenerationRequest
+from actors.messages import GenerationRequest, RequestPolicy
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.worker_config import MIB
 from actors.worker_config import WorkerConfig
@@ -86,7 +86,7 @@ class Run:
 
 
 @contextmanager
-def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool, shadow: bool) -> Iterator[Router]:
+def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterator[Router]:
     """1 prefill + `num_decode` decode actors (1 torch thread each), one prefix-cache store, the
     scheduler actor configured as `ferry serve`'s default (its default tenant's loose SLO), and a
     client placing through it, its requests shadowing their KV or not."""
@@ -103,7 +103,7 @@ def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool, shadow: b
     scheduler = start_scheduler(sched_cfg, name=f"rb-scheduler-{tag}")
     link = SchedulerLink(scheduler, LinkConfig(report_interval_s=0.1), sched_cfg)
     try:
-        yield router_for(pd, dataclasses.replace(CLIENT, shadow_kv=shadow), control=link, recovery=RecoveryConfig(), replace_dead=replace_dead)
+        yield router_for(pd, CLIENT, control=link, recovery=RecoveryConfig(), replace_dead=replace_dead)
     finally:
         link.close()
         pd.shutdown()
@@ -166,14 +166,15 @@ async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after:
 
 async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode: int, replace_dead: bool,
                    kill_after: int, shadow: bool) -> dict[str, Any]:
-    with deployment(cfg, num_decode, replace_dead, shadow) as client:
-        await run_streams(client, _as(reqs[:1], "warm"), None)  # warm-up: the model's code paths
+    recovery: Literal["shadow", "recompute"] = "shadow" if shadow else "recompute"
+    with deployment(cfg, num_decode, replace_dead) as client:
+        await run_streams(client, _as(reqs[:1], "warm", recovery), None)  # warm-up: the model's code paths
         # Each run under its own tenant, so none reuses another's cached prompt blocks: all three
         # compute their prompts the same way. Two failure-free runs give the noise floor: bf16
         # prefill batching (which requests share a step) can change a later greedy token by itself.
-        ref = _renamed((await run_streams(client, _as(reqs, "ref"), None))["runs"], "ref")
-        again = _renamed((await run_streams(client, _as(reqs, "again"), None))["runs"], "again")
-        failed = await run_streams(client, _as(reqs, "run"), kill_after)
+        ref = _renamed((await run_streams(client, _as(reqs, "ref", recovery), None))["runs"], "ref")
+        again = _renamed((await run_streams(client, _as(reqs, "again", recovery), None))["runs"], "again")
+        failed = await run_streams(client, _as(reqs, "run", recovery), kill_after)
         failed["runs"] = _renamed(failed["runs"], "run")
         resumed = await _resumed_blocks(client)
     runs: dict[str, Run] = failed["runs"]
@@ -198,9 +199,11 @@ async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode:
     }
 
 
-def _as(reqs: list[GenerationRequest], run: str) -> list[GenerationRequest]:
-    """`reqs` as tenant `run` (its own cache salt), ids suffixed with it."""
-    return [dataclasses.replace(r, request_id=f"{r.request_id}-{run}", tenant=run, cache_salt=None) for r in reqs]
+def _as(reqs: list[GenerationRequest], run: str, recovery: Literal["shadow", "recompute"]) -> list[GenerationRequest]:
+    """`reqs` as the ingress builds them for tenant `run` (its own cache salt) with `kv_recovery:
+    recovery`, ids suffixed with it."""
+    policy = RequestPolicy(tenant=run, kv_recovery=recovery)
+    return [policy.request(f"{r.request_id}-{run}", r.prompt_token_ids, r.params) for r in reqs]
 
 
 def _renamed(runs: dict[str, Run], run: str) -> dict[str, Run]:

@@ -22,7 +22,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -38,16 +37,15 @@ from actors.semantic_cache.actor import RaySemanticCache, start_semantic_cache, 
 from actors.moe_link import ROUTING_ACTOR, model_key
 from cluster.actor import start_scheduler
 from cluster.moe.actor import start_routing_control
-from cluster.descriptors import SloClass
 from cluster.router.client import Router
 from cluster.router.config import RouterConfig
-from cluster.router.link import SchedulerLink, slo_class_override
+from cluster.router.link import SchedulerLink
 from cluster.router.ray_handles import router_for
 from deploy.cluster_backend import ClusterBackend
 from deploy.config import AppConfig, ConfigError, load_config
 from deploy.dashboard.monitoring import Monitoring, run_in_lifespan
 from deploy.local import bind_replica_grpc_to_loopback
-from deploy.moe import RayRoutingAdmin, RoutingHealth, expert_load_exporter
+from deploy.moe import RayRoutingAdmin, RoutingView, expert_load_exporter
 from deploy.openai import build_api
 from deploy.openai.admin import mount_admin
 from deploy.openai.drain import DrainState
@@ -137,17 +135,16 @@ class FerryIngress:
             self._link.attach_pool(pool.pool.holdings)
         self.backend = ClusterBackend(router, self.tokenizer, model_key(cfg.model), max_len, pool=pool,
                                       num_experts=getattr(_read_config(path), "num_experts", None))
-        if self._routing is not None:  # /health reports each worker's expert loads and routing table
-            self.backend = RoutingHealth(self.backend, self._routing, model_key(cfg.model))
-        # Metrics + /dashboard wrap the backend: every request's timeline feeds the histograms.
+        # MoE models: /health and the dashboard show each worker's expert loads and the routing table.
+        self._routing_view = None if self._routing is None else RoutingView(self._routing, model_key(cfg.model))
+        # Metrics + /dashboard observe the app: every request's timeline feeds the histograms.
         self.monitoring = Monitoring(self.backend, slos=self.scheduler_cfg.tenant_slos(), semantic=self.semantic,
-                                     pool=pool)
+                                     pool=pool, experts=self._routing_view)
         logger.info("ferry ingress up: %s mode, model %s, workers on %s (%s each)", cfg.mode, cfg.model,
                     resources.device, resources.actor_options())
 
     def _router_config(self) -> RouterConfig:
-        tenants = {**self.scheduler_cfg.kv_shadowing(), **self.scheduler_cfg.speculation_policy()}
-        return replace(self.cfg.to_router_config(), **tenants)  # type: ignore[arg-type]
+        return self.cfg.to_router_config()
 
     def _serve_workers(self, workers: dict[str, Any]) -> Router:
         """The router over the worker deployments' replicas (found on the first poll), after
@@ -198,14 +195,16 @@ class FerryIngress:
         return SemanticGlue(settings, RaySemanticCache(self._semantic_actor, settings.timeout_s))
 
     def __serve_build_asgi_app__(self):  # type: ignore[no-untyped-def]
-        app = build_api(self.monitoring.backend, self.cfg.api, semantic=self.semantic)
+        app = build_api(self.backend, self.cfg.api, semantic=self.semantic,
+                        policies=self.scheduler_cfg.request_policies())
         self.monitoring.mount(app)
+        if self._routing_view is not None:
+            app.state.hooks.health_parts["moe"] = self._routing_view.health
         served = list(self.cfg.api.served_model_names) or [self.backend.model_name]
         mount_admin(app, self.cfg.api, self._routing, {name: model_key(self.cfg.model) for name in served})
         if self._routing is not None:
             run_in_lifespan(app, expert_load_exporter(self._routing, model_key(self.cfg.model)),
                             self.monitoring.period_s)
-        app.add_middleware(SloClassHeader)
         self._drain_state: DrainState = app.state.drain
         return app
 
@@ -229,29 +228,6 @@ class FerryIngress:
             ray.kill(store, no_restart=True)
         if self._semantic_actor is not None:
             stop_semantic_cache(self._semantic_actor)  # saves first: the next ingress reloads it
-
-
-class SloClassHeader:
-    """ASGI middleware: `x-ferry-slo-class: batch` runs the request as batch work (it fills idle
-    capacity and has a completion deadline instead of TTFT/TPOT targets). A tenant may downgrade
-    its own requests, never upgrade them: any other value is ignored."""
-
-    HEADER = b"x-ferry-slo-class"
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            values = [v for k, v in scope.get("headers", ()) if k.lower() == self.HEADER]
-            if values and values[-1].strip().lower() == b"batch":
-                token = slo_class_override.set(SloClass.BATCH)
-                try:
-                    await self.app(scope, receive, send)
-                finally:
-                    slo_class_override.reset(token)
-                return
-        await self.app(scope, receive, send)
 
 
 def _fresh_actor(name: str, start: Callable[[], Any], stop: Callable[[Any], None], timeout_s: float = 30.0) -> Any:

@@ -1,11 +1,11 @@
 """The HTTP app's backend over the Ray data plane: prefill + decode actors (or colocated ones).
 
-Mental model: the ingress owns HTTP; this turns one validated request into a `GenerationRequest`
-(seed resolved, tenant salt set) and streams the decode actor's `RequestOutput` deltas back through
+Mental model: the ingress owns HTTP; this turns one validated request and its `RequestPolicy`
+into a `GenerationRequest` (seed resolved, tenant salt set, `RequestPolicy.request`) and streams the decode actor's `RequestOutput` deltas back through
 the `Router` (cluster/router/), which owns placement, deadlines, recovery and aborts. Closing the
 stream early aborts the request on its worker (the router fires the abort without awaiting, as the
-Backend contract requires). The scheduler's refusals reach HTTP here: over budget or SLO as `Refused` (429 with
-Retry-After), an unknown tenant 403, a request too large 413, no healthy worker 503. `/health`
+Backend contract requires). Refusals pass through as they are raised (`actors.errors.Refused`);
+the HTTP app maps them in one place (`deploy/openai/errors.refusal_to_api_error`). `/health`
 reports each worker's load, memory, KV plan (how its pool was sized: device, blocks, bytes,
 explicit or planned, and what capped it) and speculative decoding (method, draft tokens, acceptance).
 """
@@ -14,29 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tokenizer import Tokenizer
-from actors.errors import NoCapacity
-from actors.messages import GenerationRequest, WorkerLoad
-from cluster.router.choice import NoWorkers, PlacementRefused
+from actors.messages import RequestPolicy, WorkerLoad
 from cluster.router.client import Router
-from deploy.openai.backend import Refused
-from deploy.openai.errors import ApiError
-from deploy.openai.expert_budget import requested_expert_budget
-from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 from deploy.pool_source import PoolSource
 from transfer.codec import Compression
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1.0
 POOL_HEALTH_TIMEOUT_S = 3.0
 
 
@@ -66,11 +57,9 @@ class ClusterBackend:
         return self._tokenizer
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        req = GenerationRequest(request_id, tuple(prompt_token_ids), params, tenant=tenant, arrival_time=time.time(),
-                                speculation=requested_speculation(),  # the router adds the tenant's say
-                                expert_budget=requested_expert_budget())
-        trace = self.timelines.open(request_id, tenant)
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
+        req = policy.request(request_id, prompt_token_ids, params)
+        trace = self.timelines.open(request_id, policy.tenant)
         started = finished = False
         try:
             async for event in self.client.generate(req):
@@ -78,12 +67,6 @@ class ClusterBackend:
                 started, finished = True, out.finished
                 trace.on_output(out)
                 yield out
-        except NoCapacity as e:
-            raise Refused("no_capacity", RETRY_AFTER_S, str(e)) from e
-        except NoWorkers as e:
-            raise Refused("no_workers", RETRY_AFTER_S, str(e)) from e
-        except PlacementRefused as e:
-            raise _refusal(e) from e
         finally:
             if not started:
                 self.timelines.discard(request_id)
@@ -148,12 +131,3 @@ def can_serve(loads: Iterable[WorkerLoad]) -> bool:
     decodes = any(w.healthy for w in loads if w.kind in ("decode", "colocated"))
     prefills = [w for w in loads if w.kind == "prefill"]
     return decodes and (not prefills or any(w.healthy for w in prefills))
-
-
-def _refusal(e: PlacementRefused) -> Exception:
-    """429s carry a Retry-After through `Refused`; the others are not a matter of waiting."""
-    if e.status == 429 and e.retry_after_s is not None:
-        return Refused(e.reason, e.retry_after_s, e.detail, e.predicted_wait_s)
-    headers = {} if e.retry_after_s is None else {"Retry-After": str(max(0, math.ceil(e.retry_after_s)))}
-    return ApiError(e.status, f"Request refused: {e.reason}. {e.detail}".strip(),
-                    type="server_error" if e.status >= 500 else "invalid_request_error", code=e.reason, headers=headers)

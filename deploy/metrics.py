@@ -5,7 +5,7 @@ Two recorders, each owning its instruments:
 - `RequestMetrics` is fed one finished request at a time (its timeline, as the HTTP backends keep
   it) and every refusal: latency histograms per tenant, token and request counters, the prefill
   worker's stage times, transfer bytes, and each transfer's codec with its predicted and actual
-  seconds (deploy/dashboard/monitoring.py's `MeteredBackend` feeds it).
+  seconds (the HTTP app's hooks feed it: deploy/openai/hooks.py).
 - `ClusterMetricsExporter` is fed periodic `ClusterSnapshot`s (worker loads, engine, prefix-pool,
   transport, scheduler and semantic-cache stats; whatever the caller can read). Loads become
   gauges; cumulative counters in the stats become Prometheus counters by adding the increase since
@@ -36,7 +36,6 @@ from actors.semantic_cache.stats import SIMILARITY_EDGES, SemanticCacheStats
 from cluster.stats import SchedulerStats
 from deploy.dashboard.records import RequestRecord, record_from_timeline
 from deploy.dashboard.window import counter_increase
-from deploy.openai.backend import Refused
 from transfer.transport import TransportStats
 
 logger = logging.getLogger(__name__)
@@ -152,19 +151,6 @@ def _instruments(specs: Mapping[str, MetricSpec]) -> dict[str, Any]:
         else:
             made[name] = ray_metrics.Histogram(name, s.description, boundaries=list(s.boundaries), tag_keys=s.tag_keys)
     return made
-
-
-_REASON = re.compile(r"[a-z][a-z0-9_]{0,47}")
-
-
-def refusal_reason(e: Refused) -> str:
-    """A bounded label value: the reason if it is already a short identifier, else the snake_case
-    name of the exception behind the refusal (NoCapacity -> no_capacity), else "other"."""
-    if _REASON.fullmatch(e.reason):
-        return e.reason
-    if e.__cause__ is not None:
-        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(e.__cause__).__name__).lower()
-    return "other"
 
 
 class RequestMetrics:

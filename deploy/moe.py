@@ -3,9 +3,9 @@
 Mental model: for a mixture-of-experts model the ingress starts the routing controller actor
 (cluster/moe/actor.py) before its workers, which link to it by name (actors/moe_link.py).
 `RayRoutingAdmin` is the admin endpoint's `RoutingAdmin` over that actor, every call bounded by a
-deadline. `RoutingHealth` wraps the HTTP backend so `/health` gains a `moe` part: the published
+deadline. `RoutingView` is what the ingress shows of it: the `moe` part of `/health` (the published
 table version, whether every worker routes with it, and per worker its summary (version, tokens,
-imbalance by layer, hottest expert, safe-mode layers). `export_expert_loads` feeds Prometheus
+imbalance by layer, hottest expert, safe-mode layers), and the dashboard's expert loads. `export_expert_loads` feeds Prometheus
 (deploy/moe_metrics.py) each monitoring period. A controller that does not answer leaves an
 `error` in /health, never an unhealthy app.
 """
@@ -60,29 +60,25 @@ def moe_health(state: dict[str, Any], reports: dict[str, ExpertLoadReport]) -> d
             "workers": {name: r.summary() for name, r in sorted(reports.items())}}
 
 
-class RoutingHealth:
-    """An HTTP backend whose /health report has the `moe` part; all else is the inner backend's."""
+class RoutingView:
+    """The routing controller's state of one model, as `/health` and the dashboard show it."""
 
-    def __init__(self, inner: Any, admin: RayRoutingAdmin, model: str) -> None:
-        self.inner, self.admin, self.model = inner, admin, model
-
-    def __getattr__(self, name: str) -> Any:  # model_name, tokenizer, generate, timeline, ...
-        return getattr(self.inner, name)
+    def __init__(self, admin: RayRoutingAdmin, model: str) -> None:
+        self.admin, self.model = admin, model
 
     async def expert_reports(self) -> dict[str, ExpertLoadReport]:
         """Each worker's latest expert loads (the dashboard's `ExpertSource`)."""
         return await self.admin.reports(self.model)
 
     async def health(self) -> dict[str, Any]:
-        report = await self.inner.health()
+        """The `moe` part of /health (the app's hook: deploy/openai/hooks.py)."""
         try:
             state, reports = await asyncio.gather(self.admin.state(self.model), self.admin.reports(self.model))
-            report["moe"] = moe_health(state, reports)
+            return moe_health(state, reports)
         except KeyError:
-            report["moe"] = {"workers": {}, "note": "no worker has reported yet"}
+            return {"workers": {}, "note": "no worker has reported yet"}
         except Exception as e:  # detail only: serving does not depend on the controller
-            report["moe"] = {"error": f"{type(e).__name__}: {e}"}
-        return report
+            return {"error": f"{type(e).__name__}: {e}"}
 
 
 def expert_load_exporter(admin: RayRoutingAdmin, model: str):  # type: ignore[no-untyped-def]

@@ -24,6 +24,7 @@ from cluster.scaling import RoleBounds, ScalingConfig
 from cluster.tenants import BatchSlo, InteractiveSlo, TenantConfig
 from deploy.config import ConfigSection
 from deploy.dashboard.provider import StaticSlos
+from deploy.openai.policy import PolicyBook, TenantRules
 
 
 class TenantSection(ConfigSection):
@@ -164,19 +165,15 @@ class SchedulerSection(ConfigSection):
         default = None if self.default_tenant is None else self.default_tenant.to_tenant_config("default").slo
         return StaticSlos({name: t.to_tenant_config(name).slo for name, t in self.tenants.items()}, default)
 
-    def kv_shadowing(self) -> dict[str, object]:
-        """The router's `shadow_kv` (the default tenant's choice) and `shadow_exceptions` (listed
-        tenants that chose otherwise)."""
-        default = self.default_tenant is not None and self.default_tenant.kv_recovery == "shadow"
-        others = frozenset(n for n, t in self.tenants.items() if (t.kv_recovery == "shadow") != default)
-        return {"shadow_kv": default, "shadow_exceptions": others}
+    def request_policies(self) -> PolicyBook:
+        """What each tenant's config says about every one of its requests (the Gate resolves a
+        request's `RequestPolicy` from it and the headers): speculation, KV recovery. Unlisted
+        tenants follow the default tenant (the defaults when that one is refused anyway)."""
+        def rules(t: TenantSection) -> TenantRules:
+            return TenantRules(speculation=t.speculation == "auto", kv_recovery=t.kv_recovery)
 
-    def speculation_policy(self) -> dict[str, object]:
-        """The router's `speculation` (the default tenant's choice) and `speculation_exceptions`
-        (listed tenants that chose otherwise)."""
-        default = self.default_tenant is None or self.default_tenant.speculation == "auto"
-        others = frozenset(n for n, t in self.tenants.items() if (t.speculation == "auto") != default)
-        return {"speculation": default, "speculation_exceptions": others}
+        default = TenantRules() if self.default_tenant is None else rules(self.default_tenant)
+        return PolicyBook({n: rules(t) for n, t in self.tenants.items()}, default)
 
     def worker_policies(self) -> WorkerPolicies:
         """What workers apply per tenant (`AppConfig.to_worker_config`): each tenant's KV codec and

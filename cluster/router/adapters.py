@@ -19,7 +19,7 @@ from cluster.descriptors import (RequestDesc, RequestId, SloClass, StepSample, T
 from cluster.flights import FlightState
 from cluster.journal import Phase
 from cluster.prefix_index import is_pool_store, pool_store
-from cluster.router.choice import PlacementRefused
+from actors.errors import Refused
 from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight
 
 _PHASES = {PREFILLING: Phase.PREFILLING, DECODING: Phase.DECODING, PREEMPTED: Phase.PREEMPTED}
@@ -65,17 +65,18 @@ def telemetry_cursor(cursor: tuple[str, int, int]) -> TelemetryCursor:
     return TelemetryCursor(*cursor)
 
 
-def request_desc(req: GenerationRequest, slo_class: SloClass | None = None,
-                 block_hashes: tuple[int, ...] = ()) -> RequestDesc:
+def request_desc(req: GenerationRequest, block_hashes: tuple[int, ...] = ()) -> RequestDesc:
     """`block_hashes`: the prompt's full blocks as the engines hash them (`prompt_block_hashes`),
-    matched against what the workers report holding."""
+    matched against what the workers report holding. The SLO class is the tenant's (None) unless
+    the caller downgraded the request."""
+    slo_class = None if req.slo_class is None else SloClass(req.slo_class)
     return RequestDesc(RequestId(req.request_id), TenantId(req.tenant), req.num_prompt_tokens,
                        req.params.max_tokens, block_hashes, req.arrival_time, slo_class)
 
 
-def flight_state(flight: InFlight, slo_class: SloClass | None = None, block_hashes: tuple[int, ...] = ()) -> FlightState:
+def flight_state(flight: InFlight, block_hashes: tuple[int, ...] = ()) -> FlightState:
     return FlightState(
-        desc=request_desc(flight.req, slo_class, block_hashes),
+        desc=request_desc(flight.req, block_hashes),
         prefill_worker=None if flight.prefill is None else WorkerName(flight.prefill),
         decode_worker=None if flight.decode is None else WorkerName(flight.decode),
         phase=_PHASES.get(flight.phase, Phase.QUEUED), num_output_tokens=len(flight.streamed),
@@ -83,6 +84,7 @@ def flight_state(flight: InFlight, slo_class: SloClass | None = None, block_hash
         num_recoveries=flight.attempt)
 
 
-def refusal_error(refusal: Refusal) -> PlacementRefused:
-    return PlacementRefused(refusal.reason.value, refusal.retry_after_s, refusal.reason.http_status, refusal.detail,
-                            refusal.predicted_wait_s)
+def refusal_error(refusal: Refusal) -> Refused:
+    """The scheduler's answer (a descriptor) as the request path's one refusal type."""
+    return Refused(refusal.reason.value, refusal.detail, status=refusal.reason.http_status,
+                   retry_after_s=refusal.retry_after_s, predicted_wait_s=refusal.predicted_wait_s)

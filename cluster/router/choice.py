@@ -15,31 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from actors.errors import NoWorkers
 from actors.messages import GenerationRequest, WorkerLoad
 from cluster.placement import Placement
-
-
-class NoWorkers(RuntimeError):
-    """No healthy worker of a needed kind is known."""
-
-
-class PlacementRefused(RuntimeError):
-    """The control plane will not take the request now. `status` is the HTTP status it maps to
-    (429 over budget or SLO, 403 unknown tenant, 413 too large, 503 no healthy worker);
-    `retry_after_s` is None when retrying cannot help; `predicted_wait_s` is an SLO refusal's
-    predicted queueing before the request would have started."""
-
-    def __init__(self, reason: str, retry_after_s: float | None, status: int = 429, detail: str = "",
-                 predicted_wait_s: float | None = None) -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-        self.status = status
-        self.detail = detail
-        self.predicted_wait_s = predicted_wait_s
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (PlacementRefused, (self.reason, self.retry_after_s, self.status, self.detail, self.predicted_wait_s))
 
 
 @dataclass(frozen=True)

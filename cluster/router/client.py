@@ -33,10 +33,10 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 
-from actors.errors import NoCapacity, WorkerTimeout
+from actors.errors import NoCapacity, NoWorkers, Refused, WorkerTimeout
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from cluster.placement import Placement
-from cluster.router.choice import (LeastLoaded, LocalPolicy, NoWorkers, PlacementChoice, PlacementRefused,
+from cluster.router.choice import (LeastLoaded, LocalPolicy, PlacementChoice,
                                    lend_prefill)
 from cluster.router.config import RecoveryConfig, RouterConfig
 from cluster.router.control import ControlPlane
@@ -134,7 +134,7 @@ class Router:
             try:
                 decided = await self.control.admit(req)
                 break
-            except PlacementRefused as e:
+            except Refused as e:
                 # Workers that just joined (Serve replicas found a moment ago) are healthy here before
                 # the scheduler's next report says so: its "none" is stale, not a verdict.
                 if e.reason != NO_HEALTHY_WORKER or not self._serves(loads) or time.monotonic() >= settle_until:
@@ -176,7 +176,6 @@ class Router:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if req.request_id in self.flights:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
-        req = self.cfg.for_tenant(req)  # its KV shadows' key, its tenant's speculation choice
         flight = self.flights[req.request_id] = InFlight(req)
         finished = False
         try:
@@ -368,8 +367,8 @@ class Router:
         while True:
             try:
                 return await self.recoveries.recover(flight, dead)
-            except (NoWorkers, PlacementRefused) as e:
-                if isinstance(e, PlacementRefused) and e.reason != NO_HEALTHY_WORKER:
+            except Refused as e:
+                if not (isinstance(e, NoWorkers) or e.reason == NO_HEALTHY_WORKER):
                     raise
                 if (lent := await self._borrow(flight)) is not None:
                     return self.recoveries.lent(flight, dead, lent)

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # a type only: the settings import nothing of the data plane
-    from actors.messages import GenerationRequest
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -19,34 +14,8 @@ class RouterConfig:
     token_timeout_s: float = 60.0  # between two streamed events (the first waits for the prefill too)
     load_ttl_s: float = 0.2  # how long polled worker loads are trusted
     room_wait_s: float = 30.0  # a new request that finds every decode row taken queues this long (0: refuse at once)
-    # Requests shadow their KV to the prefix-cache pool (actors/kv_shadow.py), so a recovery or a
-    # preemption resumes from it; the tenants in `shadow_exceptions` choose the other way. Off by
-    # default: on 2 shared CPU cores it cost 8-23% engine TPOT in serving (README, "KV shadows").
-    shadow_kv: bool = False
-    shadow_exceptions: frozenset[str] = frozenset()
     # With no decode worker up, a recovery resumes on a prefill worker until one is back.
     lend_prefill: bool = True
-    # Requests may be sped up by speculative decoding (where the engines speculate); the tenants in
-    # `speculation_exceptions` choose the other way. A caller's `x-ferry-speculation: off` also wins.
-    speculation: bool = True
-    speculation_exceptions: frozenset[str] = frozenset()
-
-    def shadows(self, tenant: str) -> bool:
-        """Whether `tenant`'s requests shadow their KV."""
-        return self.shadow_kv != (tenant in self.shadow_exceptions)
-
-    def speculates(self, tenant: str) -> bool:
-        """Whether `tenant` lets the engines speculate for its requests."""
-        return self.speculation != (tenant in self.speculation_exceptions)
-
-    def for_tenant(self, req: GenerationRequest) -> GenerationRequest:
-        """`req` as its tenant's settings run it: the key to its KV shadows drawn (once: every
-        attempt uses it) where the tenant shadows, and no speculation where it opted out."""
-        shadow = req.shadow_salt is None and self.shadows(req.tenant)
-        speculation = req.speculation and self.speculates(req.tenant)
-        if not shadow and speculation == req.speculation:
-            return req
-        return replace(req, shadow_salt=secrets.token_hex(16) if shadow else req.shadow_salt, speculation=speculation)
 
     def __post_init__(self) -> None:
         if min(self.call_timeout_s, self.prefill_timeout_s, self.token_timeout_s) <= 0 or self.load_ttl_s < 0:

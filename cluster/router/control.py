@@ -2,7 +2,7 @@
 
 Mental model: the control plane (the scheduler actor, through `SchedulerLink`) decides where a
 request runs; the router carries it out and reports back. Its decisions are remote calls, so they
-are awaited; each answers a scheduler `Placement`, a refusal (`PlacementRefused`), or None: "the
+are awaited; each answers a scheduler `Placement`, a refusal (`actors.errors.Refused`), or None: "the
 control plane is away, place it yourself", which the router does with its one local policy
 (`choice.LocalPolicy`). It hears about every request's life (where each attempt runs, its
 stages, tokens, end) through notifications that never block. In the other direction it may ask
@@ -45,7 +45,7 @@ class FlightSource(Protocol):
 @runtime_checkable
 class ControlPlane(Protocol):
     """Contract:
-    - `admit` decides for a new request within its own deadline (or raises `PlacementRefused`);
+    - `admit` decides for a new request within its own deadline (or raises `Refused`);
       None when the control plane did not answer;
     - `fallback_rank` is the queue rank (0 interactive, 1 batch) of a request placed locally;
     - `recover(dead, flights)` returns every given flight, most urgent first, with its `Planned`;

@@ -2,7 +2,7 @@
 
 Mental model: the data path never waits on the control plane for more than one bounded call per
 request. `admit` asks the actor for a placement with a deadline (`admit_timeout_s`); a refusal
-becomes `PlacementRefused` (HTTP 429 + Retry-After and friends); no answer (the actor restarting,
+becomes `actors.errors.Refused` (HTTP 429 + Retry-After and friends); no answer (the actor restarting,
 or slow) means the router places the request with its local policy and the actor is left alone for
 `down_backoff_s`. Everything else is off the hot path: notifications (placed, stages, tokens,
 done) are buffered and sent, with the workers' loads as heartbeats, by one background reporter
@@ -27,15 +27,13 @@ Recoveries ask the actor for its plan (most urgent remaining SLO budget first); 
 same ordering (`Journal.recovery_plan`) is computed here from the tenants' SLOs, and the router
 places each request with its local policy.
 
-A request's SLO class is its tenant's, unless the caller downgraded it to batch: the HTTP layer
-sets `slo_class_override` (a context variable, so it follows the request's task) from the
-`x-ferry-slo-class: batch` header.
+A request's SLO class is its tenant's, unless the caller downgraded it to batch
+(`GenerationRequest.slo_class`, from the `x-ferry-slo-class: batch` header in its `RequestPolicy`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import logging
 import time
@@ -44,16 +42,16 @@ from collections.abc import Sequence
 from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
+from actors.errors import NoWorkers
 from actors.handoff import prompt_block_hashes
 from actors.messages import GenerationRequest, TelemetryCursor
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
-from cluster.descriptors import RequestId, SloClass
+from cluster.descriptors import RequestId
 from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.placement import Placement
 from cluster.router.adapters import (PoolHoldingsRead, flight_state, pool_cursors, pool_telemetry, refusal_error,
                                      request_desc, telemetry_cursor, worker_load, worker_telemetry)
-from cluster.router.choice import NoWorkers
 from cluster.router.control import FlightSource, Planned
 from cluster.router.flight import PREEMPTED, InFlight
 from cluster.router.link_config import LinkConfig, LinkStats
@@ -63,7 +61,6 @@ from cluster.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
 
-slo_class_override: contextvars.ContextVar[SloClass | None] = contextvars.ContextVar("ferry_slo_class", default=None)
 
 
 class SchedulerLink:
@@ -84,7 +81,6 @@ class SchedulerLink:
         self.stats = LinkStats()
         self._source: FlightSource | None = None
         self._assigned: dict[str, tuple[str | None, str]] = {}  # the scheduler's (prefill, decode)
-        self._classes: dict[str, SloClass] = {}  # requests downgraded by their caller
         self._hashes: dict[str, tuple[int, ...]] = {}  # prompt block hashes of requests in flight
         self._cursors: dict[str, TelemetryCursor] = {}  # the scheduler's, from its last ack
         self._telemetry_due = 0.0
@@ -111,9 +107,6 @@ class SchedulerLink:
 
     async def admit(self, req: GenerationRequest) -> Placement | None:
         self._start()
-        slo_class = slo_class_override.get()
-        if slo_class is not None:
-            self._classes[req.request_id] = slo_class
         if self.available:
             try:
                 await asyncio.wait_for(self._ready.wait(), self.cfg.ready_timeout_s)
@@ -122,7 +115,7 @@ class SchedulerLink:
         if self._hash_prompts:
             self._hashes[req.request_id] = tuple(prompt_block_hashes(req, self.cfg.block_size))
         if self.available:
-            desc = request_desc(req, slo_class, self._hashes.get(req.request_id, ()))
+            desc = request_desc(req, self._hashes.get(req.request_id, ()))
             try:
                 out = await asyncio.wait_for(self.actor.submit.remote(desc, req.seed, self.cfg.client_id),
                                              self.cfg.admit_timeout_s)
@@ -141,7 +134,7 @@ class SchedulerLink:
         return None
 
     def fallback_rank(self, req: GenerationRequest) -> int:
-        return 1 if self._classes.get(req.request_id) is SloClass.BATCH else 0
+        return 1 if req.slo_class == "batch" else 0
 
     async def recover(self, dead: frozenset[str], flights: Sequence[InFlight]) -> list[tuple[InFlight, Planned]]:
         self._start()
@@ -221,7 +214,6 @@ class SchedulerLink:
         kind = EventKind.FINISH if finished else EventKind.CANCEL
         self._push(FlightEvent(kind, rid, t, num_output_tokens=len(flight.streamed), spec=flight.spec_totals))
         self._assigned.pop(rid, None)
-        self._classes.pop(rid, None)
         self._hashes.pop(rid, None)
 
     def on_preempted(self, flight: InFlight) -> None:
@@ -231,7 +223,7 @@ class SchedulerLink:
 
     def _state(self, flight: InFlight) -> FlightState:
         rid = flight.request_id
-        return flight_state(flight, self._classes.get(rid), self._hashes.get(rid, ()))
+        return flight_state(flight, self._hashes.get(rid, ()))
 
     def _push(self, event: FlightEvent) -> None:
         self._seal(event.request_id)  # tokens so far go before this event, later ones after it

@@ -24,7 +24,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from cluster.router.choice import NoWorkers, PlacementChoice
+from actors.errors import NoWorkers
+from cluster.router.choice import PlacementChoice
 from cluster.router.control import ControlPlane
 from cluster.router.flight import DECODING, PREEMPTED, InFlight
 from cluster.router.handles import WorkerHandle

@@ -3,8 +3,8 @@
     from deploy.dashboard.monitoring import Monitoring   # not re-exported: it imports deploy.metrics,
     from deploy.dashboard import SloTargets              # which imports this package's records
     monitoring = Monitoring(backend, slos={"acme": SloTargets(ttft_ms=500, tpot_ms=50)})
-    app = build_api(monitoring.backend, cfg)   # requests and refusals reach the metrics
-    monitoring.mount(app)                      # /dashboard, /dashboard/data, periodic cluster metrics
+    app = build_api(backend, cfg)
+    monitoring.mount(app)   # requests and refusals reach the metrics; /dashboard, periodic cluster metrics
 
 `DashboardProvider` is the seam: `TimelineDashboard` computes the figures in the ingress from
 recent request timelines and worker loads; the cluster scheduler can supply its own later.

@@ -1,11 +1,11 @@
 """`Monitoring`: what the ingress adds for operators (metrics, the dashboard), wired in three lines.
 
-Mental model: the ingress builds one `Monitoring` around its HTTP backend.
-- `monitoring.backend` is what to hand `build_api`: a `MeteredBackend` (below), which records each
-  request from its timeline when its stream ends, and each refusal, into `RequestMetrics` (whose
-  refusal counts the dashboard shows too), and adds the dashboard's per-tenant SLO attainment to
-  `/health`.
-- `monitoring.mount(app)` adds the dashboard routes and hooks a task into the app's lifespan that
+Mental model: the ingress builds one `Monitoring` beside its HTTP backend, and mounts it on the app
+`build_api` made from that backend.
+- `monitoring.mount(app)` adds `RequestMetrics` to the app's request observers
+  (deploy/openai/hooks.py: each request is recorded from its timeline when its stream ends, each
+  refusal by reason; the dashboard shows the refusal counts too), the dashboard's per-tenant SLO
+  attainment as the `slo` part of `/health`, the dashboard routes, and a task in the app's lifespan that
   every `period_s` reads a `ClusterSnapshot` (the backend's worker loads, or its engine's stats)
   and hands it to the `ClusterMetricsExporter`. Serve runs the ASGI lifespan of an ingress app, so
   the task lives exactly as long as the replica serves; uvicorn runs it with `lifespan="on"`.
@@ -18,86 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from fastapi import FastAPI
 
-from actors.engine.output import RequestOutput
-from actors.engine.sampling import SamplingParams
-from actors.engine.tokenizer import Tokenizer
 from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
 from actors.semantic_cache.stats import SemanticCacheStats
 from deploy.dashboard.provider import EngineSource, SloSource, TimelineDashboard, dashboard_for, load_of_engine
 from deploy.dashboard.routes import mount_dashboard
-from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot, RequestMetrics, refusal_reason
-from deploy.openai.backend import Refused
+from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot, RequestMetrics
+from deploy.openai.hooks import AppHooks
 
 logger = logging.getLogger(__name__)
-
-
-class MeteredBackend:
-    """An HTTP `Backend` that feeds `RequestMetrics`: each request that produced output is recorded
-    from the inner backend's timeline once its stream ends (finished, aborted or failed), each
-    refusal by reason. Everything else is the inner backend's (`timeline`, `timelines`, `client`)."""
-
-    def __init__(self, inner: Any, metrics: RequestMetrics) -> None:
-        self.inner = inner
-        self.metrics = metrics
-        # Set by `Monitoring` once its dashboard, which reads this backend's timelines, exists.
-        self.slo_report: Callable[[], dict[str, Any]] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    @property
-    def model_name(self) -> str:
-        return self.inner.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.inner.max_model_len
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.inner.tokenizer
-
-    async def health(self) -> dict[str, Any]:
-        """The inner backend's report plus `slo`, each tenant's SLO attainment over the dashboard's
-        window (`TimelineDashboard.slo_report`), which `ferry status` prints."""
-        report = await self.inner.health()
-        if self.slo_report is not None:
-            try:
-                report = report | {"slo": self.slo_report()}
-            except Exception:  # a figures bug must not make a healthy backend look down
-                logger.exception("cannot compute the SLO report for /health")
-        return report
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        started = False
-        try:
-            # aclosing: closing this stream must close the inner one at once, which aborts the request.
-            async with aclosing(self.inner.generate(request_id, prompt_token_ids, params, tenant=tenant)) as stream:
-                async for out in stream:
-                    started = True
-                    yield out
-        except Refused as e:
-            self.metrics.on_refused(tenant, refusal_reason(e))
-            raise
-        finally:
-            if started:
-                self._record(request_id)
-
-    def _record(self, request_id: str) -> None:
-        timeline = getattr(self.inner, "timeline", None)
-        found = timeline(request_id) if timeline is not None else None
-        try:
-            if found is not None:
-                self.metrics.on_finished(found)
-        except Exception:  # a metrics bug must never fail a request
-            logger.exception("cannot record metrics of %s", request_id)
 
 
 class SemanticStatsSource(Protocol):
@@ -113,20 +47,23 @@ class PoolStatsSource(Protocol):
 class Monitoring:
     def __init__(self, backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None, period_s: float = 5.0,
                  window_s: float = 60.0, access_key: str | None = None,
-                 semantic: SemanticStatsSource | None = None, pool: PoolStatsSource | None = None) -> None:
+                 semantic: SemanticStatsSource | None = None, pool: PoolStatsSource | None = None,
+                 experts: Any = None) -> None:
+        """`experts`: an `ExpertSource` (deploy/moe.py's `RoutingView`) for MoE models."""
         assert period_s > 0
         self.request_metrics = RequestMetrics()
         self.exporter = ClusterMetricsExporter()
-        self.backend = MeteredBackend(backend, self.request_metrics)
-        self.provider: TimelineDashboard = dashboard_for(self.backend, slos=slos, refusals=self.request_metrics,
-                                                         window_s=window_s)
-        self.backend.slo_report = self.provider.slo_report
+        self.provider: TimelineDashboard = dashboard_for(backend, slos=slos, refusals=self.request_metrics,
+                                                         window_s=window_s, experts=experts)
         self.period_s = period_s
         self.access_key = access_key
         self.semantic = semantic
         self.pool = pool
 
     def mount(self, app: FastAPI) -> None:
+        hooks: AppHooks = app.state.hooks
+        hooks.observers.append(self.request_metrics)
+        hooks.health_parts["slo"] = self.provider.slo_report  # each tenant's attainment: `ferry status` prints it
         mount_dashboard(app, self.provider, access_key=self.access_key)
         run_in_lifespan(app, self.export_once, self.period_s)
 

@@ -299,15 +299,15 @@ def _bar(r: RequestRecord) -> RequestBar:
 
 
 def dashboard_for(backend: Any, *, slos: Mapping[str, Any] | SloSource | None = None,
-                  refusals: RefusalSource | None = None, window_s: float = 60.0) -> TimelineDashboard:
+                  refusals: RefusalSource | None = None, window_s: float = 60.0,
+                  experts: Any = None) -> TimelineDashboard:
     """The provider for an HTTP backend: its timelines, plus its engine's stats (EngineBackend) or
-    its `Router`'s worker loads (ClusterBackend), and the MoE expert loads of a backend that has them
-    (`expert_reports`: deploy/moe.py's RoutingHealth)."""
+    its `Router`'s worker loads (ClusterBackend), and the MoE expert loads of `experts` (anything
+    with `expert_reports`: deploy/moe.py's RoutingView)."""
     engine = getattr(backend, "async_engine", None)
     client = getattr(backend, "client", None)
     loads: LoadSource | None = EngineSource(engine) if engine is not None else client
     prefix = loads if isinstance(loads, EngineSource) else None
     slo_source = StaticSlos(slos) if isinstance(slos, Mapping) else slos
-    experts = backend if callable(getattr(backend, "expert_reports", None)) else None
     return TimelineDashboard(DashboardSources(BackendTimelines(backend), loads, prefix, slo_source, refusals, experts),
                              window_s=window_s)

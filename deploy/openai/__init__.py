@@ -5,7 +5,7 @@
 """
 
 from deploy.openai.app import build_api
-from deploy.openai.backend import Backend, EngineBackend, Refused
+from deploy.openai.backend import Backend, EngineBackend
 from deploy.openai.config import ApiConfig
 
-__all__ = ["ApiConfig", "Backend", "EngineBackend", "Refused", "build_api"]
+__all__ = ["ApiConfig", "Backend", "EngineBackend", "build_api"]

@@ -1,7 +1,7 @@
 """`build_api(backend, cfg)`: the OpenAI-compatible FastAPI app, testable without Ray.
 
 Mental model: a request passes three layers. The `Gate` (ASGI) names it, checks the key and the
-body size; FastAPI parses the body into the pydantic model of its endpoint (the same models
+body size, and resolves its `RequestPolicy` (policy.py) from its tenant and headers; FastAPI parses the body into the pydantic model of its endpoint (the same models
 generate `/openapi.json`, so the docs are what the server accepts); the handler prepares the prompt
 and sampling parameters (`prepare.py`), asks the backend for a stream of outputs, and renders them
 as one JSON answer or as server-sent events (`stream.py`, `render.py`). Errors at any layer leave as
@@ -26,11 +26,16 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
+from actors.messages import RequestPolicy
+from deploy.openai import expert_budget
 from deploy.openai.backend import Backend
 from deploy.openai.config import ApiConfig
 from deploy.openai.drain import DrainGate, DrainState
+from actors.errors import Refused
 from deploy.openai.errors import ApiError, ErrorResponse, install_error_handlers, to_api_error
 from deploy.openai.gate import Gate
+from deploy.openai.hooks import AppHooks
+from deploy.openai.policy import PolicyBook
 from deploy.openai.logprobs import TokenStrings
 from deploy.openai.prepare import Prepared, prepare_chat, prepare_completion
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -107,7 +112,9 @@ def _close_at_shutdown(app: FastAPI, close: Callable[[], Awaitable[None]]) -> No
     app.router.lifespan_context = lifespan
 
 
-def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None = None) -> FastAPI:
+def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None = None,
+              policies: PolicyBook | None = None) -> FastAPI:
+    """`policies`: each tenant's rules for its requests' `RequestPolicy` (None: the defaults)."""
     served = list(cfg.served_model_names) or [backend.model_name]
     strings = TokenStrings(backend.tokenizer)
     started_at = int(time.time())
@@ -115,8 +122,9 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
                   summary="OpenAI-compatible completions and chat completions over ferry's serving cluster.")
     install_error_handlers(app)
     _install_openapi(app)
-    app.add_middleware(Gate, cfg=cfg)
+    app.add_middleware(Gate, cfg=cfg, policies=policies)
     app.state.drain = DrainState()  # `await app.state.drain.drain(timeout_s)` before a stop
+    app.state.hooks = hooks = AppHooks()  # request observers and /health parts (deploy/openai/hooks.py)
     app.add_middleware(DrainGate, state=app.state.drain)
     # Documents the bearer scheme in /openapi.json; the Gate has already checked the key.
     secured = [Security(HTTPBearer(auto_error=False, description="API key; it selects the tenant."))]
@@ -127,6 +135,11 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
         _close_at_shutdown(app, semantic.close)  # a clean stop saves the cache
 
     async def serve(request: Request, prep: Prepared, renderer: Renderer, text: str | None = None) -> Response:
+        policy: RequestPolicy = request.state.policy
+        # The caller's x-ferry-expert-budget against the model's experts (when the backend knows them).
+        unfit = expert_budget.over_model(policy.expert_budget, getattr(backend, "num_experts", None))
+        if unfit is not None:
+            raise ApiError(400, unfit, param=expert_budget.HEADER, code="invalid_header")
         # Semantic cache (deploy/semantic.py), before admission: a hit replaces the backend's stream
         # and the engine never sees the request; a miss is recorded and inserted when it finishes.
         consulted = None
@@ -137,8 +150,8 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
         if consulted is not None and consulted.stream is not None:
             stream = consulted.stream
         else:
-            stream = backend.generate(renderer.request_id, prep.prompt_token_ids, prep.params,
-                                      tenant=request.state.tenant)
+            stream = hooks.observed(backend.generate(renderer.request_id, prep.prompt_token_ids, prep.params,
+                                                     policy=policy), renderer.request_id, getattr(backend, "timeline", None))
             if consulted is not None and semantic is not None:
                 stream = semantic.record(consulted, stream)
         try:
@@ -151,6 +164,8 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
             logger.info("%s: client left before the answer; request aborted", renderer.request_id)
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         except Exception as e:
+            if isinstance(e, Refused):
+                hooks.refused(policy.tenant, e)
             err = to_api_error(e, prompt_param=prep.prompt_param)
             if err is None:
                 raise  # the Gate turns it into a 500 without details
@@ -191,10 +206,13 @@ def build_api(backend: Backend, cfg: ApiConfig, *, semantic: SemanticGlue | None
                            code="request_not_found")
         return found
 
+    async def _full_health() -> dict[str, Any]:
+        return await hooks.health(await backend.health())
+
     @app.get("/health", tags=["ferry"], responses={503: {"description": "The backend is unhealthy."}})
     async def health() -> JSONResponse:
         try:
-            report = await asyncio.wait_for(backend.health(), timeout=cfg.health_timeout_s)
+            report = await asyncio.wait_for(_full_health(), timeout=cfg.health_timeout_s)
         except Exception as e:  # a health check that fails is an unhealthy backend, not a 500
             logger.warning("health check failed: %r", e)
             return JSONResponse({"healthy": False, "error": type(e).__name__}, status_code=503)

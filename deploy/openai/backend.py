@@ -1,4 +1,4 @@
-"""What the OpenAI HTTP app talks to: the `Backend` protocol, its refusal, and the colocated backend.
+"""What the OpenAI HTTP app talks to: the `Backend` protocol and the colocated backend.
 
 Mental model: the app owns HTTP (auth, validation, tokenizing, shaping responses); a backend owns
 generation. The app hands it prompt token ids and validated `SamplingParams` and reads back the
@@ -20,29 +20,11 @@ from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.colocated import process_rss_bytes
 from actors.engine.tokenizer import Tokenizer
-from actors.messages import mib_or_none, spec_report
+from actors.messages import RequestPolicy, mib_or_none, spec_report, tenant_cache_salt
 from actors.moe_handoff import budget_tracker
-from deploy.openai.expert_budget import requested_expert_budget
-from deploy.openai.speculation import requested_speculation
 from deploy.openai.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
-
-
-class Refused(Exception):
-    """The backend will not take the request now (admission control, tenant over budget, queue
-    full). The app answers 429 with `Retry-After: ceil(retry_after_s)`; the body names `reason` (a
-    code such as `slo_unattainable` or `no_capacity`), says why in `detail`, and carries the
-    predicted wait when the backend made one."""
-
-    def __init__(self, reason: str, retry_after_s: float, detail: str = "",
-                 predicted_wait_s: float | None = None) -> None:
-        super().__init__(f"{reason}: {detail} (retry after {retry_after_s:g}s)" if detail
-                         else f"{reason} (retry after {retry_after_s:g}s)")
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-        self.detail = detail
-        self.predicted_wait_s = predicted_wait_s
 
 
 @runtime_checkable
@@ -51,18 +33,17 @@ class Backend(Protocol):
 
     - `model_name`, `max_model_len` (prompt + output tokens one request may hold) and `tokenizer`
       (chat templates, encoding prompts, token strings for logprobs) are fixed for its lifetime.
-    - `generate(request_id, prompt_token_ids, params, tenant=...)` is an async generator of
+    - `generate(request_id, prompt_token_ids, params, policy=...)` is an async generator of
       `RequestOutput` deltas ending with one whose `finished` is true. Everything wrong with the
-      request (the `actors.engine.errors.InvalidRequest` family) and refusals (`Refused`) are
-      raised at the first `__anext__`, before any output. Closing the generator early (`aclose`,
+      request (the `actors.engine.errors.InvalidRequest` family) and refusals are
+      raised at the first `__anext__`, before any output (a refusal is `actors.errors.Refused`). Closing the generator early (`aclose`,
       or cancelling the task iterating it) aborts the request and frees its KV everywhere; the
       abort must be set going before the generator's cleanup first awaits, because a cancelled
-      caller (anyio cancels level-triggered) may not let a later await finish. The `tenant`
-      decides cache isolation and budgets; request ids are unique (the app makes them). Whether
-      the caller allows speculative decoding (`x-ferry-speculation`) is
-      `deploy.openai.speculation.requested_speculation()` when `generate` is first iterated; its
-      expert budget (`x-ferry-expert-budget`, MoE models) is `expert_budget.requested_expert_budget()`.
-      A backend that knows its model's experts per layer says so as `num_experts` (0: dense).
+      caller (anyio cancels level-triggered) may not let a later await finish. The `policy`
+      (`actors.messages.RequestPolicy`, resolved by the Gate) names the tenant, which decides cache
+      isolation and budgets, and the caller's and tenant's say on SLO class, speculation, expert
+      budget and KV recovery; request ids are unique (the app makes them). A backend that knows
+      its model's experts per layer says so as `num_experts` (0: dense).
     - `health()` returns a JSON-able dict with `"healthy": bool` and any detail; raising or
       taking longer than the app's deadline counts as unhealthy.
     - Optional `timeline(request_id) -> dict | None`: the token-level latency breakdown of a
@@ -80,7 +61,7 @@ class Backend(Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 tenant: str) -> AsyncGenerator[RequestOutput, None]: ...
+                 policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def health(self) -> dict[str, Any]: ...
 
@@ -94,11 +75,6 @@ def _detached(work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
     return task
-
-
-def tenant_cache_salt(tenant: str) -> tuple[str]:
-    """Block-hash extra keys of a tenant: equal prompts of two tenants never share KV blocks."""
-    return (f"tenant:{tenant}",)
 
 
 class EngineBackend:
@@ -127,15 +103,16 @@ class EngineBackend:
         return self.async_engine.engine.tokenizer
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
+        tenant = policy.tenant
         trace = self.timelines.open(request_id, tenant)
-        budget = requested_expert_budget()  # the caller's x-ferry-expert-budget (MoE models)
+        budget = policy.expert_budget  # the caller's x-ferry-expert-budget (MoE models)
         tracker = None if budget is None else budget_tracker(self.async_engine.engine)
         if tracker is not None:
             tracker.set_request_budget(request_id, budget)
         stream: AsyncIterator[RequestOutput] = self.async_engine.generate(
             request_id, prompt_token_ids, params, RequestOptions(extra_keys=tenant_cache_salt(tenant), tenant=tenant,
-                                                                 speculation=requested_speculation()))
+                                                                 speculation=policy.speculation))
         started = finished = False
         try:
             async for out in stream:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.errors import EngineDead
+from actors.errors import EngineDead, Refused
 from actors.engine.errors import (
     ContextLengthExceeded,
     EmptyPrompt,
@@ -29,7 +29,6 @@ from actors.engine.errors import (
     TokenOutOfVocab,
 )
 from actors.engine.tokenizer import ChatTemplateError, MissingChatTemplate
-from deploy.openai.backend import Refused
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +121,7 @@ def to_api_error(exc: BaseException, *, prompt_param: str, renames: dict[str, st
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, Refused):
-        retry = max(0, math.ceil(exc.retry_after_s))
-        why = f": {exc.detail}" if exc.detail else ""
-        extra: dict[str, Any] = {"retry_after_s": round(exc.retry_after_s, 3)}
-        if exc.predicted_wait_s is not None:
-            extra["predicted_wait_s"] = round(exc.predicted_wait_s, 3)
-        return ApiError(429, f"Request refused: {exc.reason}{why}. Retry after {retry} s.", type="rate_limit_error",
-                        code=exc.reason, headers={"Retry-After": str(retry)}, extra=extra)
+        return refusal_to_api_error(exc)
     if isinstance(exc, ContextLengthExceeded):
         return ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidSamplingParams):
@@ -144,6 +137,25 @@ def to_api_error(exc: BaseException, *, prompt_param: str, renames: dict[str, st
         return ApiError(503, "The model server is unavailable; it is being restarted.", type="server_error",
                         code="engine_unavailable")
     return None
+
+
+def refusal_to_api_error(exc: Refused) -> ApiError:
+    """The one mapping of a refusal to HTTP: its status; `Retry-After` (and `retry_after_s` in the
+    body) when waiting can help; an SLO refusal's `predicted_wait_s`. 429 is a `rate_limit_error`,
+    5xx a `server_error`, the rest `invalid_request_error`; `code` is the refusal's reason."""
+    why = f": {exc.detail}" if exc.detail else ""
+    headers: dict[str, str] = {}
+    extra: dict[str, Any] = {}
+    message = f"Request refused: {exc.reason}{why}."
+    if exc.retry_after_s is not None:
+        retry = max(0, math.ceil(exc.retry_after_s))
+        headers["Retry-After"] = str(retry)
+        extra["retry_after_s"] = round(exc.retry_after_s, 3)
+        message += f" Retry after {retry} s."
+    if exc.predicted_wait_s is not None:
+        extra["predicted_wait_s"] = round(exc.predicted_wait_s, 3)
+    kind = "rate_limit_error" if exc.status == 429 else "server_error" if exc.status >= 500 else "invalid_request_error"
+    return ApiError(exc.status, message, type=kind, code=exc.reason, headers=headers, extra=extra)
 
 
 # ---- FastAPI hooks ------------------------------------------------------------------------------

@@ -4,20 +4,14 @@ Mental model: with a budget of N, the request's generated tokens route only amon
 layer its prompt routed most to (actors/engine/moe/budget.py): fewer distinct experts per decode
 step, at some cost in quality. No header: the tenant's budget, if an operator set one
 (`PUT /admin/routing/{model}/budgets`), else none. The Gate reads the header of every API request
-(not a whole number >= 1: a 400 naming the header) and sets a context variable for the request's
-task; the request preparation checks it against the model's experts (`over_model`: more than it has, or
-any on a dense model, is a 400 too); the backends read it when they build the engine request
-(`requested_expert_budget`), which carries it to the workers, resumes included.
+into the request's `RequestPolicy` (policy.py; not a whole number >= 1: a 400 naming the header);
+the endpoint checks it against the model's experts (`over_model`: more than it has, or any on a
+dense model, is a 400 too); the engine request carries it to the workers, resumes included.
 """
 
 from __future__ import annotations
 
-import contextvars
-
 HEADER = "x-ferry-expert-budget"
-
-_requested: contextvars.ContextVar[int | None] = contextvars.ContextVar("ferry_expert_budget", default=None)
-
 
 def parse_expert_budget(value: str | None) -> int | None:
     """The header's budget (None without a header). ValueError, saying why, for anything but a
@@ -38,17 +32,3 @@ def over_model(budget: int | None, num_experts: int | None) -> str | None:
         return None
     detail = "this model has no experts" if num_experts == 0 else f"this model has {num_experts} experts per layer"
     return f"Invalid {HEADER} header {str(budget)!r}: {detail}."
-
-
-def requested_expert_budget() -> int | None:
-    """The caller's expert budget for the request this task serves (None: none asked)."""
-    return _requested.get()
-
-
-def request_expert_budget(budget: int | None) -> contextvars.Token[int | None]:
-    """Sets the caller's budget for this task and the tasks it starts; `reset` with the token."""
-    return _requested.set(budget)
-
-
-def reset(token: contextvars.Token[int | None]) -> None:
-    _requested.reset(token)

@@ -1,4 +1,4 @@
-"""The ASGI gate in front of the FastAPI app: request id, API key -> tenant, body size, last resort.
+"""The ASGI gate in front of the FastAPI app: request id, API key -> tenant and policy, body size, last resort.
 
 Mental model: some answers must come before FastAPI parses anything. A caller without a valid key
 gets 401 before its body is read; a body over `max_body_bytes` gets 413 from its Content-Length
@@ -11,9 +11,8 @@ leaks nothing.
 
 Scope state written here: `request_hex` (the id's random part; endpoints name their requests
 `cmpl-<hex>` / `chatcmpl-<hex>` and store that in `request_id`), `request_id`, `tenant`, and
-`speculation` (the `x-ferry-speculation` header: speculation.py; an unknown value is a 400), which
-is also set for the request's task (`speculation.requested_speculation()`), and `expert_budget` (the
-`x-ferry-expert-budget` header: expert_budget.py; not a whole number >= 1 is a 400), set likewise.
+`policy`: the request's `RequestPolicy`, resolved here once from the tenant's rules and the
+`x-ferry-*` headers (policy.py; an invalid header is a 400).
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deploy.openai import expert_budget, speculation
 from deploy.openai.config import ApiConfig
+from actors.messages import RequestPolicy
 from deploy.openai.errors import ApiError, internal_error
+from deploy.openai.policy import PolicyBook
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,10 @@ class _ClientGone(Exception):
 
 
 class Gate:
-    def __init__(self, app: ASGIApp, cfg: ApiConfig) -> None:
+    def __init__(self, app: ASGIApp, cfg: ApiConfig, policies: PolicyBook | None = None) -> None:
         self.app = app
         self.cfg = cfg
+        self.policies = policies or PolicyBook()
         # Bytes, so non-ASCII keys compare correctly with hmac.compare_digest.
         self._keys = [(key.encode(), tenant) for key, tenant in cfg.api_keys.items()]
 
@@ -65,21 +66,12 @@ class Gate:
         try:
             headers = Headers(scope=scope)
             is_api = route_path(scope).startswith("/v1/")  # docs and /health stay public
-            state["tenant"] = self._tenant(headers) if is_api else self.cfg.default_tenant
-            # The caller's say on speculative decoding, for the backend building the engine request.
-            state["speculation"] = allowed = _speculation(headers) if is_api else True
-            token = speculation.request_speculation(allowed)
-            # The caller's expert budget (MoE models), carried on the engine request to the workers.
-            state["expert_budget"] = budget = _expert_budget(headers) if is_api else None
-            budget_token = expert_budget.request_expert_budget(budget)
-            try:
-                if scope["method"] in _BODY_METHODS:
-                    receive = await self._buffered(headers, receive)
-                    scope["headers"] = _as_json(scope["headers"])
-                await self.app(scope, receive, send_with_id)
-            finally:
-                expert_budget.reset(budget_token)
-                speculation.reset(token)
+            state["tenant"] = tenant = self._tenant(headers) if is_api else self.cfg.default_tenant
+            state["policy"] = self.policies.resolve(tenant, headers) if is_api else RequestPolicy(tenant=tenant)
+            if scope["method"] in _BODY_METHODS:
+                receive = await self._buffered(headers, receive)
+                scope["headers"] = _as_json(scope["headers"])
+            await self.app(scope, receive, send_with_id)
         except _ClientGone:
             return
         except ApiError as e:
@@ -150,24 +142,6 @@ def _as_json(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """Every body this API takes is JSON: parse it as JSON whatever Content-Type says (curl -d sends
     form-urlencoded), so a bad body is reported as bad JSON, not as a missing object."""
     return [(k, v) for k, v in raw if k.lower() != b"content-type"] + [(b"content-type", b"application/json")]
-
-
-def _speculation(headers: Headers) -> bool:
-    values = headers.getlist(speculation.HEADER)
-    allowed = speculation.parse_speculation(values[-1] if values else None)
-    if allowed is None:
-        raise ApiError(400, f"Invalid {speculation.HEADER} header {values[-1]!r}: use 'off' (no speculative "
-                            "decoding for this request) or 'auto' (the engine decides).",
-                       param=speculation.HEADER, code="invalid_header")
-    return allowed
-
-
-def _expert_budget(headers: Headers) -> int | None:
-    values = headers.getlist(expert_budget.HEADER)
-    try:
-        return expert_budget.parse_expert_budget(values[-1] if values else None)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=expert_budget.HEADER, code="invalid_header") from None
 
 
 def _too_large(size: str, limit: int) -> ApiError:

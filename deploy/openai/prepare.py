@@ -19,7 +19,6 @@ from typing import Any
 
 from actors.engine.errors import InvalidSamplingParams
 from actors.engine.sampling import SamplingParams
-from deploy.openai import expert_budget
 from deploy.openai.backend import Backend
 from deploy.openai.errors import ApiError, to_api_error
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -105,10 +104,6 @@ def _prepared(body: GenerationFields, ids: list[int], shape: _Shape, backend: Ba
     if not ids:
         raise ApiError(400, f"The {shape.prompt_param} is empty.", param=shape.prompt_param, code="invalid_value")
     max_tokens = _budget(len(ids), shape, backend.max_model_len, default_max_tokens)
-    # The caller's x-ferry-expert-budget against the model's experts (when the backend knows them).
-    unfit = expert_budget.over_model(expert_budget.requested_expert_budget(), getattr(backend, "num_experts", None))
-    if unfit is not None:
-        raise ApiError(400, unfit, param=expert_budget.HEADER, code="invalid_header")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(ids, _params(body, max_tokens, shape), body.model, bool(body.stream), include_usage,
                     shape.prompt_param)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from actors.messages import RequestPolicy
 from deploy.config import ConfigError, load_config
 from tests.deploy.serving import wait_until_healthy
 
@@ -57,17 +58,20 @@ def test_dashboard_slos_are_the_schedulers_contracts() -> None:
 
 
 def test_tenants_choose_kv_shadows_or_recompute() -> None:
-    from cluster.router.config import RouterConfig
+    from actors.engine.sampling import SamplingParams
     from deploy.scheduler_config import SchedulerSection
 
+    def shadowed(section: SchedulerSection, tenant: str) -> bool:
+        policy = section.request_policies().rules(tenant)
+        req = RequestPolicy(tenant=tenant, kv_recovery=policy.kv_recovery).request("r", (1, 2), SamplingParams())
+        return req.shadow_salt is not None
+
     section = SchedulerSection.model_validate({"tenants": {"acme": {"kv_recovery": "shadow"}, "nightly": {}}})
-    router = RouterConfig(**section.kv_shadowing())  # type: ignore[arg-type]
-    assert router.shadows("acme") and not router.shadows("walk-in") and not router.shadows("nightly")
+    assert shadowed(section, "acme") and not shadowed(section, "walk-in") and not shadowed(section, "nightly")
     flipped = SchedulerSection.model_validate({"default_tenant": {"kv_recovery": "shadow"},
                                                "tenants": {"nightly": {"kv_recovery": "recompute"}}})
-    router = RouterConfig(**flipped.kv_shadowing())  # type: ignore[arg-type]
-    assert router.shadows("walk-in") and not router.shadows("nightly")
-    assert not RouterConfig().shadows("anyone")  # off unless configured
+    assert shadowed(flipped, "walk-in") and not shadowed(flipped, "nightly")
+    assert not shadowed(SchedulerSection(), "anyone")  # off unless configured
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 from pydantic import ValidationError
 
 from actors.engine.spec import SpecConfig
-from cluster.router.config import RouterConfig
 from deploy.config import ConfigError, load_config
 from deploy.scheduler_config import SchedulerSection
 
@@ -59,17 +58,22 @@ def test_a_bad_block_is_refused_with_the_field_named(block: dict[str, object], m
     assert message in str(e.value)
 
 
-def test_each_tenants_setting_becomes_the_routers() -> None:
+def test_each_tenants_setting_becomes_its_requests_policy_and_a_callers_off_wins() -> None:
+    from starlette.datastructures import Headers
+
+    def speculates(section: SchedulerSection, tenant: str, header: str | None = None) -> bool:
+        headers = Headers({} if header is None else {"x-ferry-speculation": header})
+        return section.request_policies().resolve(tenant, headers).speculation
+
     section = SchedulerSection.model_validate(
         {"tenants": {"quiet": {"speculation": "off"}, "chat": {}}})
-    router = RouterConfig(**section.speculation_policy())  # type: ignore[arg-type]
-    assert [router.speculates(t) for t in ("quiet", "chat", "someone")] == [False, True, True]
+    assert [speculates(section, t) for t in ("quiet", "chat", "someone")] == [False, True, True]
+    assert not speculates(section, "chat", "off") and not speculates(section, "quiet", "auto")
     off = SchedulerSection.model_validate(
         {"default_tenant": {"speculation": "off"},
          "tenants": {"fast": {"speculation": "auto"}, "quiet": {"speculation": "off"}}})
-    router = RouterConfig(**off.speculation_policy())  # type: ignore[arg-type]
-    assert [router.speculates(t) for t in ("fast", "quiet", "someone")] == [True, False, False]
-    assert SchedulerSection.model_validate({"default_tenant": None}).speculation_policy()["speculation"] is True
+    assert [speculates(off, t) for t in ("fast", "quiet", "someone")] == [True, False, False]
+    assert speculates(SchedulerSection.model_validate({"default_tenant": None}), "anyone")
     with pytest.raises(ValidationError, match="speculation"):
         SchedulerSection.model_validate({"tenants": {"a": {"speculation": "on"}}})
 

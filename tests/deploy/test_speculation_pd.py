@@ -27,7 +27,8 @@ from cluster.router.handles import LocalWorkerHandle
 from deploy.cluster_backend import ClusterBackend
 from deploy.dashboard.provider import dashboard_for
 from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot
-from deploy.openai import speculation
+from deploy.openai.policy import PolicyBook, TenantRules
+from starlette.datastructures import Headers
 from tests.deploy.monitoring.fake_metrics import Recorded, install
 from transfer.config import TransferConfig, make_transport
 
@@ -40,12 +41,13 @@ def rec(monkeypatch: pytest.MonkeyPatch) -> Recorded:
     return install(monkeypatch)
 
 
+POLICIES = PolicyBook({"quiet": TenantRules(speculation=False)})  # what scheduler.tenants.quiet.speculation: off gives
+
+
 async def collect(backend: ClusterBackend, rid: str, tenant: str, allowed: bool = True) -> list[int]:
-    token = speculation.request_speculation(allowed)  # what the Gate sets from x-ferry-speculation
-    try:
-        return [t async for out in backend.generate(rid, PROMPT, PARAMS, tenant=tenant) for t in out.new_token_ids]
-    finally:
-        speculation.reset(token)
+    headers = Headers({} if allowed else {"x-ferry-speculation": "off"})
+    policy = POLICIES.resolve(tenant, headers)  # what the Gate resolves
+    return [t async for out in backend.generate(rid, PROMPT, PARAMS, policy=policy) for t in out.new_token_ids]
 
 
 def test_opt_outs_timeline_health_dashboard_and_metrics(tmp_path: Path, rec: Recorded) -> None:
@@ -59,7 +61,7 @@ def test_opt_outs_timeline_health_dashboard_and_metrics(tmp_path: Path, rec: Rec
     prefill = PrefillWorker(cfg, AsyncEngine(engines[1]), make_transport(f"p-{tag}", cfg.transfer), kv_layout(engines[1]))
     router = Router({prefill.name: LocalWorkerHandle(prefill.name, prefill)},
                     {decode.name: LocalWorkerHandle(decode.name, decode)},
-                    RouterConfig(load_ttl_s=0.0, speculation_exceptions=frozenset({"quiet"})))
+                    RouterConfig(load_ttl_s=0.0))
     backend = ClusterBackend(router, engines[0].tokenizer, "tiny", 1024)
 
     async def main() -> None:

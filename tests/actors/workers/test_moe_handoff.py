@@ -222,7 +222,7 @@ def test_a_failed_handoff_leaves_no_budget_or_choice_behind(cluster: Cluster) ->
 
 def test_the_callers_header_reaches_the_workers_through_the_cluster_backend(cluster: Cluster) -> None:
     from deploy.cluster_backend import ClusterBackend
-    from deploy.openai import expert_budget
+    from actors.messages import RequestPolicy
 
     c = cluster
     backend = ClusterBackend(c.router, c.decode.engine.engine.tokenizer, "tiny", 1024, num_experts=4)
@@ -230,12 +230,9 @@ def test_the_callers_header_reaches_the_workers_through_the_cluster_backend(clus
 
     async def main() -> None:
         await linked(c)
-        token = expert_budget.request_expert_budget(2)  # what the Gate sets from x-ferry-expert-budget
-        try:
-            rid = f"hdr-{uuid.uuid4().hex[:6]}"
-            out = [t async for o in backend.generate(rid, prompt(11), GREEDY, tenant="t") for t in o.new_token_ids]
-        finally:
-            expert_budget.reset(token)
+        policy = RequestPolicy(tenant="t", expert_budget=2)  # what the Gate resolves from x-ferry-expert-budget
+        rid = f"hdr-{uuid.uuid4().hex[:6]}"
+        out = [t async for o in backend.generate(rid, prompt(11), GREEDY, policy=policy) for t in o.new_token_ids]
         assert len(out) == GREEDY.max_tokens
         assert c.decode_budget.experts_of(rid) == c.controls[1].budget.experts_of(rid) is not None
 

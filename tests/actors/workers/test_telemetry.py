@@ -77,7 +77,7 @@ def test_engine_steps_fit_the_schedulers_models_and_cached_blocks_steer_placemen
         # A prompt sharing t4's first 300 tokens goes to p0, which holds them, not to idle p1.
         follow = GenerationRequest("f", list(reqs[4].prompt_token_ids[:300]) + random_tokens(60, seed=99), GREEDY)
         hashes = tuple(prompt_block_hashes(follow, 16))
-        placed = svc.submit(request_desc(follow, None, hashes))
+        placed = svc.submit(request_desc(follow, hashes))
         assert isinstance(placed, Placement)
         assert placed.prefill_worker == p0.name and placed.num_prefix_hit_blocks == 300 // 16
     finally:

@@ -20,7 +20,8 @@ from cluster.flights import EventKind, FlightEvent, FlightState
 from cluster.journal import Phase
 from cluster.placement import Placement, PlacementKind
 from cluster.router.adapters import flight_state, refusal_error, request_desc, worker_load
-from cluster.router.choice import LeastLoaded, PlacementChoice, PlacementRefused
+from actors.errors import Refused
+from cluster.router.choice import LeastLoaded, PlacementChoice
 from cluster.router.config import RecoveryConfig
 from cluster.router.flight import DECODING, PREFILLING, InFlight
 from cluster.router.link import SchedulerLink
@@ -139,7 +140,7 @@ def test_adapters() -> None:
     load = worker_load(ActorLoad("d0", "decode", 2, 1, 3, 50, 100, 0.01, True), 5.0, 16)
     assert (load.num_running, load.num_waiting, load.num_free_blocks, load.kind) == (2, 4, 50, WorkerKind.DECODE)
     err = refusal_error(Refusal(RequestId("a"), RefusalReason.TOKEN_RATE, 2.5, "over"))
-    assert isinstance(err, PlacementRefused) and (err.status, err.retry_after_s, err.reason) == (429, 2.5, "token_rate")
+    assert isinstance(err, Refused) and (err.status, err.retry_after_s, err.reason) == (429, 2.5, "token_rate")
     f = InFlight(request("a"))
     f.place("p0", "d0", PREFILLING)
     st = flight_state(f)
@@ -156,7 +157,7 @@ def test_coordinator_gathers_a_round_and_issues_it_in_plan_order() -> None:
             assert dead == {"d0"} and {v.request_id for v in victims} == {"r0", "r1", "r2", "r3"}
             ordered = sorted(victims, key=lambda v: -len(v.streamed))  # any order: the coordinator follows it
             out: list[tuple[InFlight, object]] = [(v, PlacementChoice(None, ("d1",))) for v in ordered[:-1]]
-            return out + [(ordered[-1], PlacementRefused("no_healthy_worker", 1.0, 503))]
+            return out + [(ordered[-1], Refused("no_healthy_worker", status=503, retry_after_s=1.0))]
 
         coord = RecoveryCoordinator(plan, lambda: live, RecoveryConfig(gather_s=5.0))  # type: ignore[arg-type]
         started: list[str] = []
@@ -165,7 +166,7 @@ def test_coordinator_gathers_a_round_and_issues_it_in_plan_order() -> None:
             await asyncio.sleep(delay)  # they fail at different moments
             try:
                 await coord.recover(f, frozenset({"d0"}))
-            except PlacementRefused:
+            except Refused:
                 started.append(f"{f.request_id}:refused")
                 return
             f.next_attempt()
@@ -189,18 +190,17 @@ def test_recovery_config_rejects_negative_timeouts(bad: float) -> None:
 
 
 def test_refusals_map_to_http_and_the_config_section_converts() -> None:
-    from deploy.cluster_backend import _refusal
-    from deploy.openai.backend import Refused
-    from deploy.openai.errors import ApiError
+    from deploy.openai.errors import refusal_to_api_error
     from deploy.scheduler_config import SchedulerSection
 
-    over = _refusal(refusal_error(Refusal(RequestId("a"), RefusalReason.CONCURRENCY, 1.5, "3 in flight")))
-    assert isinstance(over, Refused) and (over.reason, over.retry_after_s) == ("concurrency", 1.5)
+    over = refusal_to_api_error(refusal_error(Refusal(RequestId("a"), RefusalReason.CONCURRENCY, 1.5, "3 in flight")))
+    assert (over.status, over.code, over.headers, over.extra["retry_after_s"]) == (429, "concurrency",
+                                                                                 {"Retry-After": "2"}, 1.5)
     for reason, status, retry in ((RefusalReason.UNKNOWN_TENANT, 403, None),
                                   (RefusalReason.REQUEST_TOO_LARGE, 413, None),
                                   (RefusalReason.NO_HEALTHY_WORKER, 503, 2.0)):
-        err = _refusal(refusal_error(Refusal(RequestId("a"), reason, retry, "why")))
-        assert isinstance(err, ApiError) and err.status == status and err.code == reason.value
+        err = refusal_to_api_error(refusal_error(Refusal(RequestId("a"), reason, retry, "why")))
+        assert err.status == status and err.code == reason.value
         assert err.headers == ({} if retry is None else {"Retry-After": "2"})
 
     section = SchedulerSection.model_validate(
@@ -250,26 +250,6 @@ def test_a_resume_replays_tokens_whose_text_was_held_back_and_shows_them_once() 
     with pytest.raises(ReplayMismatch):
         g.on_event(_event("b~r1", (6,), "y", "y", (6,)))
     assert g.emitted_tokens == 1  # the next resume trusts every streamed token
-
-
-def test_the_slo_class_header_downgrades_a_request_to_batch_for_its_task_only() -> None:
-    from cluster.descriptors import SloClass
-    from cluster.router.link import slo_class_override
-    from deploy.apps import SloClassHeader
-
-    seen: list[object] = []
-
-    async def app(scope: dict, receive: object, send: object) -> None:
-        seen.append(slo_class_override.get())
-
-    async def main() -> None:
-        mw = SloClassHeader(app)
-        for headers in ([(b"x-ferry-slo-class", b"Batch ")], [(b"x-ferry-slo-class", b"interactive")], []):
-            await mw({"type": "http", "headers": headers}, None, None)
-        await mw({"type": "lifespan"}, None, None)
-
-    asyncio.run(main())
-    assert seen == [SloClass.BATCH, None, None, None] and slo_class_override.get() is None
 
 
 class _Down:

@@ -11,7 +11,8 @@ from actors.messages import GenerationRequest, WorkerLoad
 from cluster.descriptors import RequestId, WorkerName
 from cluster.ordering import PriorityKey
 from cluster.placement import Placement
-from cluster.router.choice import LeastLoaded, NoWorkers, PlacementChoice
+from actors.errors import NoWorkers
+from cluster.router.choice import LeastLoaded, PlacementChoice
 
 REQ = GenerationRequest("r", [5, 6, 7], SamplingParams(max_tokens=2))
 ONE_TOKEN = GenerationRequest("o", [5], SamplingParams(max_tokens=2))

@@ -11,6 +11,7 @@ import contextlib
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -20,7 +21,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.sampling import SamplingParams
 from actors.handoff import kv_layout
-from actors.messages import GenerationRequest
+from actors.messages import GenerationRequest, RequestPolicy
 from actors.prefill import PrefillWorker
 from cluster.router.client import Router
 from cluster.router.config import RecoveryConfig, RouterConfig
@@ -52,11 +53,11 @@ class PooledWorkers:
         self.decodes = {d.name: LocalWorkerHandle(d.name, d) for d in self.decode_workers}
         self.prefills = {self.prefill.name: LocalWorkerHandle(self.prefill.name, self.prefill)}
 
-    async def router(self, shadow: bool) -> Router:
+    async def router(self) -> Router:
         for d in self.decode_workers:
             await self.prefill.add_peer(d.transport_metadata())
         return Router(self.prefills, self.decodes, RouterConfig(call_timeout_s=30, prefill_timeout_s=60,
-                                                                token_timeout_s=30, load_ttl_s=0.0, shadow_kv=shadow),
+                                                                token_timeout_s=30, load_ttl_s=0.0),
                       recovery=RecoveryConfig(gather_s=0.2, probe_timeout_s=2.0, retry_delay_s=0.0))
 
     def close(self) -> None:
@@ -91,14 +92,23 @@ async def _streams(router: Router, reqs: list[GenerationRequest], workers: Poole
     return got, held[0] if held else 0
 
 
+def as_tenant_runs(req: GenerationRequest, recovery: Literal["shadow", "recompute"],
+                   request_id: str | None = None) -> GenerationRequest:
+    """`req` as the ingress builds it for a tenant with `kv_recovery: recovery` (a shadowed request
+    gets its own secret shadow key)."""
+    policy = RequestPolicy(tenant=req.tenant, kv_recovery=recovery)
+    return policy.request(request_id or req.request_id, req.prompt_token_ids, req.params)
+
+
 async def _reference_then_kill(workers: PooledWorkers, reqs: list[GenerationRequest], shadow: bool) -> tuple[
         dict[str, list[int]], dict[str, list[int]], int, PooledWorkers]:
     """The streams once without a failure (ids suffixed -ref), then with their decode worker killed
     after 12 tokens: (reference tokens, tokens, streams the victim held, the workers, closed)."""
+    recovery = "shadow" if shadow else "recompute"
     try:
-        router = await workers.router(shadow)
-        want, _ = await _streams(router, [replace(r, request_id=f"{r.request_id}-ref") for r in reqs], None, None)
-        got, held = await _streams(router, reqs, workers, kill_after=12)
+        router = await workers.router()
+        want, _ = await _streams(router, [as_tenant_runs(r, recovery, f"{r.request_id}-ref") for r in reqs], None, None)
+        got, held = await _streams(router, [as_tenant_runs(r, recovery) for r in reqs], workers, kill_after=12)
         return want, got, held, workers
     finally:
         workers.close()
@@ -137,11 +147,11 @@ def test_a_preempted_row_comes_back_from_its_kv(tiny_model_dir: Path, tmp_path: 
     async def main() -> tuple[list[int], list[int], PooledWorkers]:
         workers = PooledWorkers(tiny_model_dir, tmp_path, num_decode=1)
         try:
-            router = await workers.router(shadow=True)
-            refs, _ = await _streams(router, [replace(req, request_id="p0-ref")], None, None)
+            router = await workers.router()
+            refs, _ = await _streams(router, [as_tenant_runs(req, "shadow", "p0-ref")], None, None)
             want = refs["p0-ref"]
             got: list[int] = []
-            async for event in router.generate(req):
+            async for event in router.generate(as_tenant_runs(req, "shadow")):
                 got += event.output.new_token_ids
                 if len(got) >= 10 and router.preemptions.num_preempted == 0:
                     assert router.preempt(req.request_id)  # no scheduler: it resumes here within 0.5 s

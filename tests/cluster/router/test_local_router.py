@@ -21,7 +21,7 @@ from actors.engine.sampling import SamplingParams
 from actors.handoff import kv_layout
 from actors.messages import GenerationRequest
 from actors.prefill import PrefillWorker
-from cluster.router.choice import PlacementRefused
+from actors.errors import Refused
 from cluster.router.client import Router
 from cluster.router.config import RecoveryConfig, RouterConfig
 from cluster.router.handles import LocalWorkerHandle
@@ -147,7 +147,7 @@ class _StaleScheduler:
     async def admit(self, req: object) -> None:
         if self.refusals:
             self.refusals -= 1
-            raise PlacementRefused("no_healthy_worker", 1.0, 503)
+            raise Refused("no_healthy_worker", status=503, retry_after_s=1.0)
         return None  # away: the router places it
 
 

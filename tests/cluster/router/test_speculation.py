@@ -1,5 +1,4 @@
-"""Speculation on the router's side: the tenant's opt-out, the TPOT target from the scheduler's
-placement, and the draft-token totals of a stream that resumed elsewhere."""
+"""Speculation on the router's side: the TPOT target from the scheduler's placement, and the draft-token totals of a stream that resumed elsewhere."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from cluster.descriptors import RequestId, WorkerName
 from cluster.ordering import PriorityKey
 from cluster.placement import Placement
 from cluster.router.choice import LeastLoaded, PlacementChoice
-from cluster.router.config import RouterConfig
 from cluster.router.flight import InFlight
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0)
@@ -20,22 +18,6 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0)
 
 def req(tenant: str = "default", speculation: bool = True) -> GenerationRequest:
     return GenerationRequest("r", (5, 6, 7), PARAMS, tenant=tenant, speculation=speculation)
-
-
-def test_a_tenant_that_opted_out_never_speculates_and_a_callers_off_always_wins() -> None:
-    cfg = RouterConfig(speculation_exceptions=frozenset({"quiet"}))
-    assert cfg.for_tenant(req()).speculation is True
-    assert cfg.for_tenant(req("quiet")).speculation is False
-    assert cfg.for_tenant(req(speculation=False)).speculation is False  # the header's off
-    off_by_default = RouterConfig(speculation=False, speculation_exceptions=frozenset({"fast"}))
-    assert off_by_default.for_tenant(req()).speculation is False
-    assert off_by_default.for_tenant(req("fast")).speculation is True
-    assert off_by_default.for_tenant(req("fast", speculation=False)).speculation is False
-    unchanged = req()
-    assert cfg.for_tenant(unchanged) is unchanged  # nothing to change: the same request
-    # The same call draws the KV-shadow key where the tenant shadows, and keeps the opt-out.
-    both = RouterConfig(shadow_kv=True, speculation=False).for_tenant(req())
-    assert both.shadow_salt is not None and len(both.shadow_salt) == 32 and both.speculation is False
 
 
 def test_the_placements_tpot_target_reaches_the_attempts_request() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from actors.messages import RequestPolicy
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
@@ -24,7 +25,8 @@ from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import write_tiny_model
 from deploy.dashboard import SloTargets
 from deploy.dashboard.monitoring import Monitoring
-from deploy.openai import ApiConfig, EngineBackend, Refused, build_api
+from actors.errors import Refused  # noqa: E402
+from deploy.openai import ApiConfig, EngineBackend, build_api
 from tests.deploy.monitoring.fake_metrics import Recorded, install
 from tests.server_thread import ServerThread
 
@@ -36,10 +38,10 @@ PROMPT_A = list(range(3, 43))  # 40 tokens: two full 16-token blocks to reuse
 
 class RefusingBackend(EngineBackend):
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        if tenant == "throttled":
-            raise Refused("tenant_over_budget", 2.0)
-        async for out in super().generate(request_id, prompt_token_ids, params, tenant=tenant):
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
+        if policy.tenant == "throttled":
+            raise Refused("tenant_over_budget", retry_after_s=2.0)
+        async for out in super().generate(request_id, prompt_token_ids, params, policy=policy):
             yield out
 
 
@@ -58,8 +60,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     async_engine = AsyncEngine(engine)
     with pytest.MonkeyPatch.context() as patch:
         recorded = install(patch)  # the instruments are made now; the fakes keep recording afterwards
-        monitoring = Monitoring(RefusingBackend(async_engine, "tiny"), slos=SLOS, period_s=0.2)
-    app = build_api(monitoring.backend, ApiConfig(api_keys=KEYS))
+        backend = RefusingBackend(async_engine, "tiny")
+        monitoring = Monitoring(backend, slos=SLOS, period_s=0.2)
+    app = build_api(backend, ApiConfig(api_keys=KEYS))
     monitoring.mount(app)
     try:
         with ServerThread(app, lifespan="on") as server:

@@ -1,5 +1,5 @@
 """The dashboard's MoE section: per worker, expert shares and imbalance over the tokens routed since
-the previous poll, the table version, safe-mode layers; wired from a backend with `expert_reports`."""
+the previous poll, the table version, safe-mode layers; wired from an expert source (`dashboard_for(..., experts=)`)."""
 
 from __future__ import annotations
 
@@ -51,13 +51,12 @@ class Backend:
 
 
 def test_the_dashboard_data_carries_the_experts_section() -> None:
-    data = asyncio.run(dashboard_for(Backend()).dashboard_data()).to_json()
+    backend = Backend()
+    data = asyncio.run(dashboard_for(backend, experts=backend).dashboard_data()).to_json()
     experts = {x["worker"]: x for x in data["experts"]}
     assert experts["decode-0"]["imbalance"] == 4.0 and experts["decode-0"]["num_tokens"] == 16
     assert experts["prefill-0"]["shares"] == [[0.25] * 4] * 2
-    plain = Backend()
-    plain.expert_reports = None  # type: ignore[assignment]  # a dense model's backend has none
-    dense = asyncio.run(dashboard_for(plain).dashboard_data()).to_json()
+    dense = asyncio.run(dashboard_for(Backend()).dashboard_data()).to_json()  # a dense model: no expert source
     assert dense["experts"] == []
     assert 'id="experts"' in PAGE_HTML and "renderExperts(d.experts)" in PAGE_HTML
 
@@ -73,7 +72,7 @@ def test_the_page_renders_the_experts_rows(tmp_path: Path) -> None:
     app = FastAPI()
     backend = Backend()
     backend.reports["decode-0"] = report([[8, 0, 0, 0], [2, 2, 2, 2]], version=3, safe=[1])
-    mount_dashboard(app, dashboard_for(backend))
+    mount_dashboard(app, dashboard_for(backend, experts=backend))
     with ServerThread(app) as server:
         dom = Dom(run_chromium(chromium, tmp_path / "profile", server.base_url + "/dashboard", "--dump-dom").stdout).root
     assert dom.one("section", id="experts-panel").attrs.get("hidden") is None

@@ -15,14 +15,15 @@ import pytest
 from actors.engine.output import EngineStats, RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.errors import NoCapacity
-from actors.messages import WorkerLoad
+from actors.messages import RequestPolicy, WorkerLoad
 from actors.prefix_cache.stats import PrefixCacheStats, TenantUse
 from actors.semantic_cache.stats import SIMILARITY_EDGES, SemanticCacheStats
 from cluster.stats import SchedulerStats
 from deploy import metrics
-from deploy.dashboard.monitoring import MeteredBackend, Monitoring
-from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot, RequestMetrics, exported_names, refusal_reason
-from deploy.openai.backend import Refused
+from actors.errors import Refused
+from deploy.dashboard.monitoring import Monitoring
+from deploy.metrics import ClusterMetricsExporter, ClusterSnapshot, RequestMetrics, exported_names
+from deploy.openai.hooks import AppHooks, refusal_reason
 from deploy.openai.timeline import TimelineRecorder
 from tests.deploy.monitoring.fake_metrics import Recorded, install
 from tests.deploy.monitoring.test_provider import PREFILL, timeline
@@ -67,15 +68,9 @@ def test_an_aborted_request_counts_as_abort_without_e2e(rec: Recorded) -> None:
 
 
 def test_refusal_reasons_stay_a_small_set() -> None:
-    assert refusal_reason(Refused("tenant_over_budget", 1.0)) == "tenant_over_budget"
-    try:
-        raise NoCapacity("no decode worker has room for cmpl-123 now (asked 2)")
-    except NoCapacity as e:
-        try:
-            raise Refused(str(e), 1.0) from e
-        except Refused as refused:
-            assert refusal_reason(refused) == "no_capacity"
-    assert refusal_reason(Refused("Queue full: 812 waiting", 1.0)) == "other"
+    assert refusal_reason(Refused("tenant_over_budget", retry_after_s=1.0)) == "tenant_over_budget"
+    assert refusal_reason(NoCapacity("no decode worker has room for cmpl-123 now (asked 2)")) == "no_capacity"
+    assert refusal_reason(Refused("Queue full: 812 waiting", retry_after_s=1.0)) == "other"
 
 
 def load(name: str, running: int, free: int, healthy: bool = True, rss_bytes: int = 0, shadow_bytes: int = 0) -> WorkerLoad:
@@ -206,10 +201,10 @@ class Scripted:
         self.closed: list[str] = []
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        if tenant == "throttled":
-            raise Refused("tenant_over_budget", 2.0)
-        trace = self.timelines.open(request_id, tenant)
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
+        if policy.tenant == "throttled":
+            raise Refused("tenant_over_budget", retry_after_s=2.0)
+        trace = self.timelines.open(request_id, policy.tenant)
         try:
             for i in range(3):
                 last = i == 2
@@ -228,31 +223,35 @@ class Scripted:
         return {"healthy": True}
 
 
-def test_metered_backend_records_finished_aborted_and_refused_requests(rec: Recorded) -> None:
-    inner = Scripted()
-    backend = MeteredBackend(inner, RequestMetrics())
+def test_the_apps_hooks_record_finished_aborted_and_refused_requests(rec: Recorded) -> None:
+    backend = Scripted()
+    hooks, metrics = AppHooks(), RequestMetrics()
+    hooks.observers.append(metrics)
     params = SamplingParams(max_tokens=3)
 
-    async def run() -> None:
-        outs = [o async for o in backend.generate("a", [1, 2], params, tenant="acme")]
+    def run(rid: str, tenant: str) -> AsyncGenerator[RequestOutput, None]:  # what each endpoint does
+        return hooks.observed(backend.generate(rid, [1] * (2 + len(rid) - 1), params, policy=RequestPolicy(tenant)),
+                              rid, backend.timeline)
+
+    async def main() -> None:
+        outs = [o async for o in run("a", "acme")]
         assert [o.finished for o in outs] == [False, False, True]
-        stream = backend.generate("b", [1, 2, 3], params, tenant="acme")
+        stream = run("bb", "acme")
         await stream.__anext__()
         await stream.aclose()  # the client left after the first token
-        with pytest.raises(Refused):
-            await backend.generate("c", [1], params, tenant="throttled").__anext__()
+        with pytest.raises(Refused) as e:
+            await run("c", "throttled").__anext__()
+        hooks.refused("throttled", e.value)  # where the app maps it to HTTP
 
-    asyncio.run(run())
-    assert inner.closed == ["a", "b"]  # closing the wrapper closed (aborted) the inner stream
+    asyncio.run(main())
+    assert backend.closed == ["a", "bb"]  # closing the observed stream closed (aborted) the backend's
     assert rec.total("ferry_requests", tenant="acme", finish_reason="stop") == 1
     assert rec.total("ferry_requests", tenant="acme", finish_reason="abort") == 1
     assert rec.observed("ferry_ttft_ms", tenant="acme") == [pytest.approx(10.0), pytest.approx(10.0)]
     assert rec.observed("ferry_e2e_ms", tenant="acme") == [pytest.approx(30.0)]
     assert rec.total("ferry_prompt_tokens", tenant="acme") == 5
     assert rec.total("ferry_refusals", tenant="throttled", reason="tenant_over_budget") == 1
-    assert backend.metrics.refusals() == {"tenant_over_budget": 1}
-    assert backend.timelines is inner.timelines and backend.timeline("a")["finish_reason"] == "stop"
-    assert (backend.model_name, backend.max_model_len) == ("tiny", 64)
+    assert metrics.refusals() == {"tenant_over_budget": 1}
 
 
 def test_every_declared_metric_is_created_and_named_as_ray_exports_it(rec: Recorded) -> None:

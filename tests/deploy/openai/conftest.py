@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 
 
+from actors.messages import RequestPolicy
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.output import RequestOutput
 from actors.engine.sampling import SamplingParams
 from actors.engine.tiny_model import write_tiny_model
-from deploy.openai import ApiConfig, EngineBackend, Refused, build_api
+from actors.errors import Refused  # noqa: E402
+from deploy.openai import ApiConfig, EngineBackend, build_api
 from tests.server_thread import ServerThread
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-throttled": "throttled", "key-broken": "broken",
@@ -39,16 +41,16 @@ class ScriptedBackend(EngineBackend):
     whose `flaky` tenant crashes after its second output."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        if tenant == "throttled":
-            raise Refused("tenant_over_budget", 2.5)
-        if tenant == "broken":
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
+        if policy.tenant == "throttled":
+            raise Refused("tenant_over_budget", retry_after_s=2.5)
+        if policy.tenant == "broken":
             raise RuntimeError(SECRET)
         # aclosing: closing this generator must close the engine's, or the request is never aborted.
-        async with aclosing(super().generate(request_id, prompt_token_ids, params, tenant=tenant)) as stream:
+        async with aclosing(super().generate(request_id, prompt_token_ids, params, policy=policy)) as stream:
             num_outputs = 0
             async for out in stream:
-                if tenant == "flaky" and num_outputs == 2:
+                if policy.tenant == "flaky" and num_outputs == 2:
                     raise RuntimeError(SECRET)
                 num_outputs += 1
                 yield out

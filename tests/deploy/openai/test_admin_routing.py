@@ -15,7 +15,7 @@ from actors.engine.moe.budget import ExpertBudgets
 from actors.engine.moe.routing_table import RoutingTable
 from actors.engine.moe.telemetry import ExpertLoadReport
 from cluster.moe.service import RoutingControlService
-from deploy.moe import RoutingHealth
+from deploy.moe import RoutingView
 from deploy.moe_metrics import ExpertLoadExporter, moe_exported_names
 from deploy.openai.admin import mount_admin
 from deploy.openai.config import ApiConfig
@@ -126,20 +126,13 @@ def test_unknown_and_dense_models(service: RoutingControlService) -> None:
 
 
 def test_health_gains_each_workers_expert_load_summary(service: RoutingControlService) -> None:
-    class Inner:
-        model_name, max_model_len, tokenizer = "tiny-moe", 64, None
-
-        async def health(self) -> dict[str, Any]:
-            return {"healthy": True}
-
-    health = asyncio.run(RoutingHealth(Inner(), LocalAdmin(service), "tiny-moe").health())  # type: ignore[arg-type]
-    moe = health["moe"]
-    assert health["healthy"] and moe["table_version"] == 0 and moe["consistent"]
+    moe = asyncio.run(RoutingView(LocalAdmin(service), "tiny-moe").health())  # type: ignore[arg-type]
+    assert moe["table_version"] == 0 and moe["consistent"]
     decode = moe["workers"]["decode-0"]
     assert decode["imbalance_by_layer"] == [2.0, 1.333] and decode["imbalance_max"] == 2.0
     assert decode["hottest"][0] == {"layer": 0, "expert": 0, "share": 0.5} and decode["tokens_routed"] == 120
-    gone = asyncio.run(RoutingHealth(Inner(), LocalAdmin(RoutingControlService(auto=False)), "x").health())  # type: ignore[arg-type]
-    assert gone["healthy"] and gone["moe"]["workers"] == {}
+    gone = asyncio.run(RoutingView(LocalAdmin(RoutingControlService(auto=False)), "x").health())  # type: ignore[arg-type]
+    assert gone["workers"] == {}
 
 
 def test_metrics_count_tokens_and_gauge_the_latest_period(monkeypatch: pytest.MonkeyPatch) -> None:

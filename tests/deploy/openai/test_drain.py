@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from actors.messages import RequestPolicy
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
@@ -32,8 +33,8 @@ class PacedBackend(EngineBackend):
     is still running when the test starts the drain."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
-        async for out in super().generate(request_id, prompt_token_ids, params, tenant=tenant):
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
+        async for out in super().generate(request_id, prompt_token_ids, params, policy=policy):
             await asyncio.sleep(STEP_S * len(out.new_token_ids))
             yield out
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from deploy.openai.backend import Refused
+from actors.errors import Refused
 from deploy.openai.errors import to_api_error
 from tests.deploy.openai.conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, SECRET, Served
 
@@ -187,8 +187,8 @@ def test_refusal_is_429_with_retry_after(http: httpx.Client, stream: bool) -> No
 
 
 def test_a_refusal_says_why_and_the_predicted_wait() -> None:
-    api = to_api_error(Refused("slo_unattainable", 1.2, "predicted TTFT 4200 ms (after 3000 ms queued) > target "
-                                                        "3000 ms", predicted_wait_s=3.0), prompt_param="prompt")
+    api = to_api_error(Refused("slo_unattainable", "predicted TTFT 4200 ms (after 3000 ms queued) > target "
+                                                "3000 ms", retry_after_s=1.2, predicted_wait_s=3.0), prompt_param="prompt")
     assert api is not None and api.status == 429 and api.headers == {"Retry-After": "2"}
     assert api.body() == {"error": {
         "message": "Request refused: slo_unattainable: predicted TTFT 4200 ms (after 3000 ms queued) > target 3000 ms. "

@@ -31,13 +31,15 @@ import pytest  # noqa: E402
 from tests.server_thread import ServerThread  # noqa: E402
 from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
+from actors.messages import RequestPolicy
 from actors.engine.async_engine import AsyncEngine  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.engine import Engine  # noqa: E402
 from actors.engine.output import RequestOutput  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from actors.engine.tiny_model import write_tiny_model  # noqa: E402
-from deploy.openai import ApiConfig, EngineBackend, Refused, build_api  # noqa: E402
+from actors.errors import Refused  # noqa: E402
+from deploy.openai import ApiConfig, EngineBackend, build_api  # noqa: E402
 from deploy.ops import add_ops_parsers  # noqa: E402
 
 CRASH_SEED = 500
@@ -87,7 +89,7 @@ class ScriptedBackend(EngineBackend):
         self.delay_s = 0.0  # before each request: lets a test stop a batch job midway
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if params.seed == CRASH_SEED:
@@ -95,8 +97,8 @@ class ScriptedBackend(EngineBackend):
         if self.refusals.get(params.seed or -1, 0) > 0:
             self.refusals[params.seed or -1] -= 1
             self.num_refused += 1
-            raise Refused("scripted_refusal", RETRY_AFTER_S)
-        async with aclosing(super().generate(request_id, prompt_token_ids, params, tenant=tenant)) as stream:
+            raise Refused("scripted_refusal", retry_after_s=RETRY_AFTER_S)
+        async with aclosing(super().generate(request_id, prompt_token_ids, params, policy=policy)) as stream:
             async for out in stream:
                 yield out
 

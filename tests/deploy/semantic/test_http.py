@@ -16,6 +16,7 @@ import httpx2 as httpx
 import pytest
 from pydantic import ValidationError
 
+from actors.messages import RequestPolicy
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
@@ -41,9 +42,9 @@ class CountingBackend(EngineBackend):
         self.num_generate = 0
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       tenant: str) -> AsyncGenerator[RequestOutput, None]:
+                       policy: RequestPolicy) -> AsyncGenerator[RequestOutput, None]:
         self.num_generate += 1
-        async for out in super().generate(request_id, prompt_token_ids, params, tenant=tenant):
+        async for out in super().generate(request_id, prompt_token_ids, params, policy=policy):
             yield out
 
 
