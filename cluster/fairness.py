@@ -81,14 +81,6 @@ class FairShareClock:
         c.served_tokens += num_tokens
         return start
 
-    def refund(self, tenant: TenantId, num_tokens: float, now: float) -> None:
-        """Undo part of a charge (a request cancelled before it was served), never below now."""
-        c = self._counters.get(tenant)
-        if c is None:
-            return
-        c.vc_s = max(now, c.vc_s - num_tokens / self.fair_rate(tenant))
-        c.served_tokens = max(0.0, c.served_tokens - num_tokens)
-
     def lead_s(self, tenant: TenantId, now: float) -> float:
         """How far the tenant's counter runs ahead of real time: 0 within its share."""
         c = self._counters.get(tenant)

@@ -115,9 +115,6 @@ class TokenBucket:
     def take(self, num_tokens: float, now: float) -> None:
         self._level = self.level(now) - num_tokens
 
-    def give_back(self, num_tokens: float, now: float) -> None:
-        self._level = min(self.capacity, self.level(now) + num_tokens)
-
 
 class Tenant:
     """A tenant's live state. Mutated only by the admission controller and the scheduler."""

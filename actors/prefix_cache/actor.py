@@ -18,7 +18,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.prefix_cache.handles import PendingCall, StoreMethod, StoreTimeout, StoreUnavailable
-from actors.prefix_cache.pool import DEFAULT_TIMEOUT_S, PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
 
@@ -61,9 +60,3 @@ def start_store_actors(
         handles[store_id] = RayStoreHandle(actor)
     return handles
 
-
-def start_pool(
-    cfg: PrefixCacheConfig, num_stores: int, *, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> PrefixCachePool:
-    """A pool over freshly started store actors (the embedded default uses one)."""
-    return PrefixCachePool(start_store_actors(cfg, num_stores), timeout_s=timeout_s)

@@ -122,15 +122,6 @@ class PrefixCachePool:
             self._handles[store_id] = handle
             self._failed.pop(store_id, None)
 
-    def remove_store(self, store_id: StoreId) -> bool:
-        """Takes a store off the ring (its keys then route to the others); False if absent."""
-        with self._lock:
-            if store_id not in self._handles:
-                return False
-            self._ring.remove(store_id)
-            del self._handles[store_id]
-            return True
-
     def owner(self, block_hash: BlockHash) -> StoreId:
         with self._lock:
             return self._ring.owner(check_block_hash(block_hash))

@@ -29,14 +29,6 @@ class ShadowCheck:
     imbalance_candidate: float
 
 
-def sample_loads(sample: Sequence[torch.Tensor], bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[L, E] tokens per expert the sample would route under `bias` [L, E]."""
-    num_experts = bias.shape[1]
-    rows = [expert_counts(route(s, top_k, b if b.any() else None)[1], num_experts) if len(s) else
-            torch.zeros(num_experts, dtype=torch.int64) for s, b in zip(sample, bias)]
-    return torch.stack(rows)
-
-
 def check_candidate(sample: Sequence[torch.Tensor], current: torch.Tensor, candidate: torch.Tensor,
                     top_k: int) -> ShadowCheck:
     """`sample[l]` [n_l, E] float32 logits of layer l; `current`, `candidate` [L, E] biases."""
