@@ -78,10 +78,6 @@ class JournalEntry:
     def request_id(self) -> RequestId:
         return self.desc.request_id
 
-    @property
-    def rng_position(self) -> int:
-        return self.num_output_tokens
-
     def remaining_budget_s(self, now: float) -> float:
         """Seconds until this request's promise breaks if nothing more happens for it."""
         if self.slo_class is SloClass.INTERACTIVE:

@@ -117,9 +117,6 @@ class SlackQueue(Generic[K]):
         del self._live[item]
         return item, key
 
-    def key_of(self, item: K) -> PriorityKey | None:
-        return self._live.get(item)
-
     def __contains__(self, item: object) -> bool:
         return item in self._live
 

@@ -38,8 +38,6 @@ class WorkerView:
     block_size: int = 16
     num_total_blocks: int = 0
     reported_free_blocks: int = 0
-    reported_running: int = 0
-    reported_waiting: int = 0
     blocks_since_report: int = 0  # blocks of requests activated after the last report
     mean_context_tokens: float | None = None  # per decode row, from measured steps
     backlog_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
@@ -68,8 +66,6 @@ class WorkerView:
         self.block_size = load.block_size
         self.num_total_blocks = load.num_total_blocks
         self.reported_free_blocks = load.num_free_blocks
-        self.reported_running = load.num_running
-        self.reported_waiting = load.num_waiting
         self.blocks_since_report = 0
         self.pool_fetch_s_per_block = load.pool_fetch_s_per_block  # already smoothed by the worker
         self.observe_steps(load.steps)

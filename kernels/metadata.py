@@ -30,6 +30,3 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

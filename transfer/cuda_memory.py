@@ -104,7 +104,7 @@ class CudaMapping:
 
         if len(handle) <= _HANDLE.size:
             raise IncompatiblePeer("malformed CUDA IPC handle")
-        self.size_bytes, base, pid, self.owner_device = _HANDLE.unpack_from(handle, 0)
+        self.size_bytes, base, pid, _owner_device = _HANDLE.unpack_from(handle, 0)
         self.device = _device_index(device)  # our context: where our shards are
         self._opened = pid != os.getpid()
         if not self._opened:

@@ -22,7 +22,6 @@ far less than a vocab-sized exponential race.
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import NoReturn
@@ -134,11 +133,6 @@ class SamplingState:
             ids = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
             self._prompt_ids = torch.unique(ids)
         return self._prompt_ids
-
-
-def resolve_seed(params: SamplingParams) -> int:
-    """The seed a new request samples with: its own, or a fresh random one for the journal."""
-    return params.seed if params.seed is not None else secrets.randbits(63)
 
 
 @dataclass(frozen=True)

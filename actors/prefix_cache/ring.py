@@ -99,10 +99,3 @@ class HashRing:
             raise EmptyRing("no prefix-cache store on the ring")
         i = bisect.bisect_right(self._points, key_point(block_hash))
         return self._point_owner[i % len(self._points)]  # past the last point wraps to the first
-
-    def owners(self, hashes: Iterable[BlockHash]) -> dict[StoreId, list[BlockHash]]:
-        """Groups keys by owner; each list keeps the keys' input order."""
-        groups: dict[StoreId, list[BlockHash]] = {}
-        for block_hash in hashes:
-            groups.setdefault(self.owner(block_hash), []).append(block_hash)
-        return groups

@@ -136,12 +136,6 @@ class RoutingController:
             self.outcomes[model] = deque(maxlen=self.cfg.max_decisions_kept)
         return m
 
-    def forget_worker(self, model: str, worker: str) -> None:
-        m = self.models.get(model)
-        if m is not None:
-            for d in (m.totals, m.last_counts, m.window, m.applied, m.sample, m.reports):
-                d.pop(worker, None)
-
     # ------------------------------------------------------------------------------- control
     def live_loads(self, model: str) -> torch.Tensor:
         """[L, E] tokens routed under the published table since the window began, all workers."""

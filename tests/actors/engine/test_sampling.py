@@ -14,7 +14,6 @@ from actors.engine.sampling import (
     draw,
     filter_probs,
     process_logits,
-    resolve_seed,
     uniform_for,
 )
 
@@ -76,12 +75,6 @@ def test_is_greedy_and_has_penalties() -> None:
     assert not SamplingParams().has_penalties
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=-0.5).has_penalties
-
-
-def test_resolve_seed() -> None:
-    assert resolve_seed(SamplingParams(seed=42)) == 42
-    drawn = {resolve_seed(SamplingParams()) for _ in range(8)}
-    assert len(drawn) > 1 and all(0 <= s < (1 << 63) for s in drawn)
 
 
 # ---- greedy ----

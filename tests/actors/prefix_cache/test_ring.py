@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from actors.engine.block_hash import BlockHash, hash_block_chain
+from actors.engine.block_hash import BlockHash
 from actors.prefix_cache.ring import EmptyRing, HashRing, StoreId, key_point
 
 KEYS = [BlockHash(k) for k in range(10_000)]
@@ -56,15 +56,6 @@ def test_placement_is_independent_of_insertion_order_and_process() -> None:
     assert key_point(BlockHash(0)) == 14593309029982546664
     ring = HashRing([StoreId("a"), StoreId("b"), StoreId("c")])
     assert [ring.owner(BlockHash(k)) for k in (0, 1, 2**127, 12345)] == ["b", "b", "c", "a"]
-
-
-def test_owners_groups_in_input_order() -> None:
-    ring = HashRing(ids(3))
-    chain = hash_block_chain(list(range(200)), 4)
-    groups = ring.owners(chain)
-    assert sorted(h for g in groups.values() for h in g) == sorted(chain)
-    for store_id, group in groups.items():
-        assert group == [h for h in chain if ring.owner(h) == store_id]
 
 
 def test_membership_errors() -> None:
