@@ -83,7 +83,7 @@ class MoEControl:
     def apply_table(self, table: RoutingTable) -> RoutingTable:
         """Validates and swaps in `table` (from the next step on); raises `TableRejected`."""
         old = self.state.apply(table)
-        logger.info("routing table v%d staged and swapped in (was v%d)", table.version, old.version)
+        logger.info("routing table v%d swapped in (was v%d)", table.version, old.version)
         return old
 
     def report(self) -> ExpertLoadReport:

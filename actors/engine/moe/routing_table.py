@@ -1,13 +1,12 @@
-"""The per-expert routing bias table of one model, double-buffered, swapped only between steps.
+"""The per-expert routing bias table of one model, swapped only between steps.
 
 Mental model: a `RoutingTable` is an immutable value: a version and a bias per (layer, expert),
-added to the router logits when experts are chosen (`routing.route`). `RoutingState` holds two
-copies: `active`, the one steps use, and `shadow`, where an update lands. `stage` validates the
-update (shape, finite values, bounds, a version newer than the active one) and refuses a bad one
-with its reason (`TableRejected`); `swap` makes the shadow active. A step never reads `active`
-directly: `begin_step` (called before each forward, see control.py) takes the active table for
-the whole step, so a swap at any moment takes effect at the next step, and no step ever mixes two
-tables or sees a half-written one (tables are never written in place). A layer whose biased router
+added to the router logits when experts are chosen (`routing.route`). `RoutingState.apply`
+validates an update (shape, finite values, bounds, a version newer than the active one), refuses a
+bad one with its reason (`TableRejected`) and otherwise makes it the `active` table. A step never
+reads `active` directly: `begin_step` (called before each forward, see control.py) takes the active
+table for the whole step, so a swap at any moment takes effect at the next step, and no step ever
+mixes two tables or sees a half-written one (tables are never written in place). A layer whose biased router
 scores come out non-finite at run time falls back to plain top-k (safe mode) until the next table
 is applied, and says why in `status()`.
 """
@@ -106,36 +105,22 @@ class RoutingState:
     def __init__(self, num_layers: int, num_experts: int, max_abs_bias: float = MAX_ABS_BIAS) -> None:
         self.num_layers, self.num_experts, self.max_abs_bias = num_layers, num_experts, max_abs_bias
         self.active = RoutingTable.zeros(num_layers, num_experts)
-        self.shadow: RoutingTable | None = None
         self.num_swaps = 0
         self.num_rejected = 0
         self.safe_mode: dict[int, str] = {}  # layer -> why it routes without bias
-        self._lock = threading.Lock()  # stage/swap come from request threads, begin_step from the engine's
+        self._lock = threading.Lock()  # apply comes from request threads, begin_step from the engine's
         self._step = StepTable(0, [None] * num_layers)
 
-    def stage(self, table: RoutingTable) -> None:
-        """Validates `table` and writes it to the shadow copy (the active one is untouched)."""
-        with self._lock:
-            self._stage_locked(table)
-            self.shadow = table
-
-    def swap(self) -> RoutingTable:
-        """Makes the staged table active (from the next step on); returns the table it replaced."""
-        with self._lock:
-            assert self.shadow is not None, "swap without a staged table"
-            old, self.active, self.shadow = self.active, self.shadow, None
-            self.num_swaps += 1
-            return old
-
     def apply(self, table: RoutingTable) -> RoutingTable:
-        """`stage` then `swap`: the table takes effect at the next step."""
-        with self._lock:  # one update at a time: a concurrent stage must not slip in between
-            self._stage_locked(table)
-            old, self.active, self.shadow = self.active, table, None
+        """Validates `table` and makes it active (from the next step on); returns the table it
+        replaced. A refused table leaves the active one untouched."""
+        with self._lock:  # one update at a time: two threads' checks and swaps must not interleave
+            self._validate_locked(table)
+            old, self.active = self.active, table
             self.num_swaps += 1
             return old
 
-    def _stage_locked(self, table: RoutingTable) -> None:
+    def _validate_locked(self, table: RoutingTable) -> None:
         try:
             validate(table, self.num_layers, self.num_experts, self.active.version, self.max_abs_bias)
         except TableRejected as e:
@@ -171,6 +156,5 @@ class RoutingState:
 
     def status(self) -> dict[str, object]:
         return {"active_version": self.active.version, "step_version": self._step.version,
-                "staged_version": None if self.shadow is None else self.shadow.version,
                 "num_swaps": self.num_swaps, "num_rejected": self.num_rejected,
                 "safe_mode": {str(k): v for k, v in sorted(self.safe_mode.items())}}

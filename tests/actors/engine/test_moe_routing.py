@@ -1,5 +1,5 @@
-"""The routing rule and the double-buffered bias table: exact selections, refusals with reasons,
-swaps that take effect at the next step only, and safe mode."""
+"""The routing rule and the bias table: exact selections, refusals with reasons, swaps that take
+effect at the next step only, and safe mode."""
 
 from __future__ import annotations
 
@@ -49,22 +49,18 @@ def test_imbalance_is_max_over_mean() -> None:
 def test_bad_tables_are_refused_with_their_reason_and_change_nothing(bias, version, reason) -> None:
     state = RoutingState(2, 4)
     with pytest.raises(TableRejected) as err:
-        state.stage(RoutingTable(version, tuple(map(tuple, bias))))
+        state.apply(RoutingTable(version, tuple(map(tuple, bias))))
     assert err.value.reason == reason
-    assert state.active.version == 0 and state.shadow is None and state.num_rejected == 1
+    assert state.active.version == 0 and state.num_swaps == 0 and state.num_rejected == 1
 
 
-def test_a_staged_table_waits_for_swap_and_the_swap_for_the_next_step() -> None:
+def test_an_applied_table_waits_for_the_next_step() -> None:
     state = RoutingState(2, 4)
     cpu = torch.device("cpu")
     state.begin_step(cpu)
     table = RoutingTable.of(1, [[1.0, 0.0, 0.0, 0.0], [0.0] * 4])
-    state.stage(table)
-    assert state.active.version == 0 and state.shadow == table
-    state.begin_step(cpu)
-    assert state.bias_for(0) is None  # staged only
-    state.swap()
-    assert state.active == table and state.shadow is None
+    assert state.apply(table).version == 0  # returns the table it replaced
+    assert state.active == table and state.num_swaps == 1
     assert state.bias_for(0) is None  # the step in flight keeps its table
     state.begin_step(cpu)
     assert state.bias_for(0).tolist() == [1.0, 0.0, 0.0, 0.0] and state.bias_for(1) is None
