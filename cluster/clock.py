@@ -2,7 +2,7 @@
 
 Mental model: the scheduler is a pure function of (events, clock readings). Tests and the simulator
 inject a `FakeClock` they advance by hand, so a decision made at "t = 3.0 s" is exactly
-reproducible; production passes `MonotonicClock`.
+reproducible; production passes `WallClock` (service.py).
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    """Seconds on a monotonic timeline; only differences are meaningful."""
+    """Seconds on one timeline; only differences are meaningful."""
 
     def now(self) -> float: ...
 
 
-class MonotonicClock:
-    """The process's monotonic clock (what the Ray actor uses)."""
+class WallClock:
+    """Seconds since the epoch: the one timeline processes on different machines share (what the
+    scheduler actor uses: arrival and token times come from other processes)."""
 
     def now(self) -> float:
-        return time.monotonic()
+        return time.time()
 
 
 class FakeClock:

@@ -30,7 +30,6 @@ needs nothing more than the actor's one-call-at-a-time execution.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 
 from cluster.admission import Refusal, RefusalReason
 from cluster.bookings import Booking
+from cluster.clock import WallClock
 from cluster.config import SchedulerConfig
 from cluster.descriptors import RequestDesc, RequestId, WorkerReport, WorkerName, WorkerTelemetry
 from cluster.flights import EventKind, FlightEvent, FlightState, ReportAck
@@ -50,13 +50,6 @@ from cluster.stats import SchedulerStats
 from cluster.timeline import Stage
 
 logger = logging.getLogger(__name__)
-
-
-class WallClock:
-    """Seconds since the epoch: the one timeline processes on different machines share."""
-
-    def now(self) -> float:
-        return time.time()
 
 
 @dataclass(slots=True)
