@@ -23,6 +23,7 @@ from actors.engine.request import Request
 from actors.engine.sampling import SamplingState
 from actors.messages import GenerationRequest
 from transfer.codec import KVLayout
+from transfer.units import MIB
 
 TAG_BITS = 63
 
@@ -68,8 +69,8 @@ def num_handoff_shards(raw_bytes: int, num_layers: int, wanted: int, staging_byt
     `raw_bytes` bounds the encoded size: compression only shrinks it (headers aside)."""
     per_layer = -(-raw_bytes // num_layers)
     if per_layer > staging_bytes:
-        raise HandoffTooLarge(f"one layer of this request's KV is {per_layer / 2**20:.1f} MiB, more than the "
-                              f"{staging_bytes / 2**20:.0f} MiB transfer staging (transfer.staging_mib)")
+        raise HandoffTooLarge(f"one layer of this request's KV is {per_layer / MIB:.1f} MiB, more than the "
+                              f"{staging_bytes / MIB:.0f} MiB transfer staging (transfer.staging_mib)")
     needed = -(-raw_bytes // max(1, staging_bytes // 4))
     return max(1, min(num_layers, max(wanted, needed)))
 

@@ -21,8 +21,8 @@ from actors.engine.shares import TenantShares
 from transfer.codec import Compression
 from transfer.codec_choice import Fidelity, LossyCodecForExactTenant, allowed_codecs
 from transfer.config import TransferConfig
+from transfer.units import MIB
 
-MIB = 1 << 20
 WORKER_NUM_CPUS = 0.25  # bookkeeping: 1 prefill + 1 decode + 1 cache actor fit on 2 cores
 # libgomp (torch's OpenMP on CPU) reads this once, as the process starts: idle threads sleep at once
 # instead of spinning. Engines that share a node's cores then take them in turn, not from each other.

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from transfer.codec import HOST_ONLY, Compression, KVLayout, decode_shard, encode
+from transfer.units import MIB
 
-MIB = 1 << 20
 MIN_PER_BYTE_S = 1e-13  # 10 TB/s: a fitted slope is never taken as zero or negative
 
 

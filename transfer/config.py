@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 from transfer.cuda_ipc import CudaIpcConfig, this_node
 from transfer.nixl import NixlConfig, nixl_available
 from transfer.transport import KVTransport
+from transfer.units import MIB
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 TransportKind = Literal["auto", "nixl", "cuda_ipc", "object_store", "local"]
 KINDS = ("auto", "nixl", "cuda_ipc", "object_store", "local")
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)

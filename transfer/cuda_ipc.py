@@ -36,9 +36,9 @@ from transfer.transport import (
     Buffer, Delivery, IncompatiblePeer, PeerGone, PeerStatsBook, SendStats, TransferError, TransferTimeout,
     TransportStats, as_bytes_view, is_tensor,
 )
+from transfer.units import MIB
 
 logger = logging.getLogger(__name__)
-MIB = 1 << 20
 
 
 def this_node() -> str:

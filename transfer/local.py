@@ -29,11 +29,11 @@ from transfer.transport import (
     TransportStats,
     as_bytes_view,
 )
+from transfer.units import MIB
 
 _MAGIC = b"FKVL"
 _DIRECTORY: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
 _DIRECTORY_LOCK = threading.Lock()
-MIB = 1 << 20
 
 
 class LocalTransport:

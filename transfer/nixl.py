@@ -50,9 +50,9 @@ from transfer.transport import (
     as_bytes_view,
     is_tensor,
 )
+from transfer.units import MIB
 
 logger = logging.getLogger(__name__)
-MIB = 1 << 20
 _HOT_S = 0.05  # how long after traffic the worker keeps polling fast
 
 

@@ -35,10 +35,10 @@ from transfer.transport import (
     TransportStats,
     as_bytes_view,
 )
+from transfer.units import MIB
 
 _MAGIC = b"FKVO"
 _ENVELOPE = struct.Struct("<4sQHH")  # magic, incarnation, name length, actor-name length
-MIB = 1 << 20
 _GRACE_S = 5.0  # extra time for a remote call that itself waits up to its timeout
 _START_S = 60.0  # a mailbox actor's start on a busy node
 

@@ -15,6 +15,7 @@ import torch
 from actors.engine.paging import PagingPolicy
 from actors.engine.shares import TenantShares
 from actors.engine.spec.config import SpecConfig
+from transfer.units import GIB
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -155,7 +156,7 @@ class EngineConfig:
     # every row at full context needs.
     kv_memory_fraction: float = 0.9
     kv_memory_share: float = 1.0
-    kv_cpu_max_bytes: int = 2 * 1024 * 1024 * 1024
+    kv_cpu_max_bytes: int = 2 * GIB
     device: str = "auto"  # auto (cuda when torch sees one), cpu, cuda or cuda:N
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # capped at max_num_seqs
@@ -173,7 +174,7 @@ class EngineConfig:
     tenant_kv_shares: TenantShares = field(default_factory=TenantShares)
     # Host memory a preempted batch-class request's KV may be offloaded to instead of being
     # recomputed later (offload.py); 0 turns offload off.
-    max_offload_bytes: int = 1024 * 1024 * 1024
+    max_offload_bytes: int = GIB
     # Which free blocks a request's KV goes to (paging.py): lazy (the free queue's order) or
     # request-aware (long requests take contiguous runs held ahead); hashes and sharing are the same.
     kv_paging: PagingPolicy = field(default_factory=PagingPolicy)

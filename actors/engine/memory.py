@@ -24,9 +24,9 @@ from actors.engine.config import EngineConfig
 from actors.engine.device import MemoryInfo, PeakMeter, memory_info
 from actors.engine.model import CausalLM
 from actors.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_block
+from transfer.units import MIB
 
 logger = logging.getLogger(__name__)
-MIB = 1 << 20
 
 
 class InsufficientKVMemory(RuntimeError):

@@ -17,8 +17,7 @@ from kernels.linear import (
     packing_available,
     prepack,
 )
-
-MIB = 1 << 20
+from transfer.units import MIB
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-MIB = 1 << 20
+from transfer.units import MIB
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.transfer.peer_proc import MIB, Peer, PeerSpec
+from tests.transfer.peer_proc import Peer, PeerSpec
 from tests.transfer.test_nixl import LAYOUT, assemble, make_kv, send_concurrently, ship, thread_counts
 from transfer import ipc_wire as wire
 from transfer.codec import decode_shard, encode, error_bound
 from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
 from transfer.local import LocalTransport
 from transfer.transport import IncompatiblePeer, KVTransport, PeerGone, TransferTimeout
+from transfer.units import MIB
 
 
 def endpoint(name: str, recv_bytes: int = MIB, **kw: object) -> CudaIpcTransport:

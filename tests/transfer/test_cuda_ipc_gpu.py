@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.transfer.peer_proc import MIB, Peer, PeerSpec
+from tests.transfer.peer_proc import Peer, PeerSpec
 from tests.transfer.test_nixl import LAYOUT, assemble, make_kv, ship
 from transfer.codec import decode_shard, encode, error_bound
 from transfer.cuda_memory import cuda_ipc_available
+from transfer.units import MIB
 
 pytestmark = pytest.mark.gpu
 needs_ipc = pytest.mark.skipif(not cuda_ipc_available(), reason="cupy cannot share GPU memory here")

@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.transfer.peer_proc import MIB, Peer, PeerSpec
+from tests.transfer.peer_proc import Peer, PeerSpec
 from tests.transfer.test_codec import flip, with_version
 from transfer import header
 from transfer.codec import KVLayout, encode, error_bound
 from transfer.local import LocalTransport
 from transfer.nixl import NixlConfig, NixlTransport, nixl_available
 from transfer.transport import IncompatiblePeer, KVTransport, PeerGone, TransferTimeout
+from transfer.units import MIB
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl does not import here")
 

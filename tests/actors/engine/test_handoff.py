@@ -9,6 +9,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.options import RequestOptions
 from actors.engine.sampling import SamplingParams
+from transfer.units import MIB
 
 from .test_engine import prompts
 
@@ -168,12 +169,11 @@ def test_abort_during_forward_is_deferred_to_the_end_of_the_step(tiny_llama_dir)
 def test_long_prompts_ship_in_more_shards_so_each_fits_the_staging() -> None:
     from actors.handoff import HandoffTooLarge, num_handoff_shards
 
-    mib = 1 << 20
-    assert num_handoff_shards(10 * mib, 30, 2, 64 * mib) == 2  # the configured count when shards fit
+    assert num_handoff_shards(10 * MIB, 30, 2, 64 * MIB) == 2  # the configured count when shards fit
     # SmolLM2 at 8,100 tokens in float32: 356 MiB of KV, shards of at most 16 MiB (a quarter of 64)
     raw = 8100 * 30 * 2 * 3 * 64 * 4
-    n = num_handoff_shards(raw, 30, 2, 64 * mib)
-    assert n == 23 and -(-raw // n) <= 16 * mib
-    assert num_handoff_shards(raw, 30, 2, 16 * mib) == 30  # one layer (11.9 MiB) per shard at most
+    n = num_handoff_shards(raw, 30, 2, 64 * MIB)
+    assert n == 23 and -(-raw // n) <= 16 * MIB
+    assert num_handoff_shards(raw, 30, 2, 16 * MIB) == 30  # one layer (11.9 MiB) per shard at most
     with pytest.raises(HandoffTooLarge, match="transfer.staging_mib"):
-        num_handoff_shards(raw, 30, 2, 8 * mib)
+        num_handoff_shards(raw, 30, 2, 8 * MIB)

@@ -17,8 +17,7 @@ from actors.engine.device import MemoryInfo, host_memory_info, resolve_device
 from actors.engine.engine import Engine
 from actors.engine.memory import InsufficientKVMemory, KVPlan
 from actors.engine.model_runner import kv_bytes_per_block
-
-MIB = 1 << 20
+from transfer.units import MIB
 
 
 def _engine(model_dir: Path, **cfg: object) -> Engine:
