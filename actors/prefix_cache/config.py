@@ -13,15 +13,15 @@ from typing import Literal
 from actors.engine.block_hash import BlockHash
 from actors.engine.fetch import ferry_home
 from actors.engine.shares import TenantShares
-from transfer.units import GIB, MIB
 
 DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
-    dram_bytes: int = 256 * MIB
-    disk_bytes: int = 1 * GIB
+    # Sizes as shifts, not transfer.units: importing transfer loads torch, which the store actors never need.
+    dram_bytes: int = 256 << 20
+    disk_bytes: int = 1 << 30
     disk_dir: str | None = None  # root of every store's folder; None -> $FERRY_HOME/prefix_cache
     enable_disk: bool = True
     eviction: Literal["value", "lru"] = "value"  # "lru": plain recency, the baseline
