@@ -34,7 +34,7 @@ from transfer.transport import CorruptShard, IncompatiblePeer, is_tensor
 
 MAGIC = b"FKVS"
 VERSION = 2
-HASH_BYTES = 16  # the engine's BlockHash width (actors/engine/block_hash.py), fixed by the format
+HASH_BYTES = 16  # the engine's BlockHash width (actors/engine/block_hash.py; a test keeps them equal)
 ALIGN = 64
 
 _PREFIX = struct.Struct("<4sHHII")

@@ -99,6 +99,14 @@ def test_header_layout_is_fixed() -> None:
     assert struct.unpack_from("<HHI", shard, 4) == (header.VERSION, 0, 128)
 
 
+def test_header_hash_field_is_a_block_hash_wide() -> None:
+    # Two definitions of one width: transfer/ may not import actors/, and block_hash.py stays
+    # torch-free (importing transfer loads torch), so this test is what keeps them one number.
+    from actors.engine.block_hash import HASH_BYTES
+
+    assert header.HASH_BYTES == HASH_BYTES
+
+
 def flip(shard: bytearray, at: int) -> bytearray:
     out = bytearray(shard)
     out[at] ^= 0x40
