@@ -53,7 +53,7 @@ from deploy.pool_source import PoolSource
 from deploy.scheduler_config import SchedulerSection
 from deploy.scaler import ReplicaScaler
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
-from deploy.worker_servers import (ColocatedServer, DecodeServer, PrefillServer, ServeReplacer, ServeWorkers,
+from deploy.worker_servers import (ColocatedReplica, DecodeReplica, PrefillReplica, ServeReplacer, ServeWorkers,
                                    worker_deployment)
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,13 @@ class FerryIngress:
         app = serve.get_replica_context().app_name
         self.scaler = ReplicaScaler(self._link.scale_advice, lambda name, n: set_replicas(app, name, n), roles,
                                     on_change=found.discover)
+        scaler = self.scaler
+
+        def capacity_coming() -> bool:  # a scale-up applied whose replica has not joined the router yet
+            live = sum(1 for name in router.decodes if name not in router.board.dead)
+            return scaler.applied.get("decode", 0) > live
+
+        router.capacity_coming = capacity_coming
 
         async def discover() -> None:
             await found.discover()
@@ -294,6 +301,6 @@ def worker_apps(cfg: AppConfig, scheduler: SchedulerSection | None = None) -> di
                  if cfg.to_cache_config() is not None and cfg.mode == "disaggregated" else [])
     args = (worker_cfg, store_ids, threads, "ferry", cfg.loopback_only)
     if cfg.mode == "colocated":
-        return {"decode": worker_deployment(ColocatedServer, "colocated", cfg.num_decode, options).bind(*args)}
-    return {"decode": worker_deployment(DecodeServer, "decode", cfg.num_decode, options).bind(*args),
-            "prefill": worker_deployment(PrefillServer, "prefill", cfg.num_prefill, options).bind(*args)}
+        return {"decode": worker_deployment(ColocatedReplica, "colocated", cfg.num_decode, options).bind(*args)}
+    return {"decode": worker_deployment(DecodeReplica, "decode", cfg.num_decode, options).bind(*args),
+            "prefill": worker_deployment(PrefillReplica, "prefill", cfg.num_prefill, options).bind(*args)}

@@ -106,7 +106,8 @@ class ClusterBackend:
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         room = self.client.room  # requests waiting for a decode row now, and how many ever had to
         report["row_queue"] = {"waiting": len(room), "num_queued": room.num_queued,
-                                   "interactive_waiting": room.interactive_waiting()}
+                               "capacity_coming": self.client.capacity_coming(),
+                               "interactive_waiting": room.interactive_waiting()}
         down = sorted(name for name, w in workers.items() if not w["healthy"])
         if down:  # serving on the others (or not at all); dead ones are being replaced
             reps = self.client.replacements

@@ -1,8 +1,9 @@
 """Prefill, decode and colocated workers as Ray Serve deployments (`workers_as: deployments`).
 
-Mental model: each replica builds the same worker the plain actors build (`actors/ray_actors.py`:
+Mental model: each replica *is* the worker actor the plain actors run (`actors/ray_actors.py`:
 model loaded in the replica's process, engine thread, transport endpoint, prefix-cache stores looked
-up by name) and names itself `<prefix>-<kind>-<replica id>`. Serve owns the replicas: their count
+up by name), with the little Serve needs added (`_Replica`), and names itself
+`<prefix>-<kind>-<replica id>`. Serve owns the replicas: their count
 (`num_replicas`), what each asks Ray for (`ray_actor_options`), health checks (`check_health`: the
 engine loop is alive), graceful shutdown (streams in flight finish first) and restarts of dead ones
 (a new replica has a new id, so a new name). Every call from the ingress is pinned to one replica
@@ -20,16 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
+from actors.messages import WorkerLoad
 from actors.prefix_cache.actor import RayStoreHandle
 from actors.prefix_cache.ring import StoreId
 from actors.ray_actors import ColocatedActor, DecodeActor, PrefillActor
@@ -42,8 +43,7 @@ from deploy.local import bind_replica_grpc_to_loopback
 logger = logging.getLogger(__name__)
 STORE_WAIT_S = 120.0  # a replica waits this long for the ingress to start the prefix-cache stores
 HEALTH_CHECK_PERIOD_S = 5.0
-GRACEFUL_SHUTDOWN_S = 60.0
-ROUTABLE_WAIT_S = 60.0  # a new replica must take a pinned call within this long to join the router  # streams in flight get this long to finish when a replica stops
+GRACEFUL_SHUTDOWN_S = 60.0  # streams in flight get this long to finish when a replica stops
 
 
 @dataclass(frozen=True)
@@ -69,104 +69,63 @@ def _find_stores(store_ids: list[str]) -> dict[StoreId, RayStoreHandle]:
     return stores
 
 
-def _loopback(loopback_only: bool) -> None:
-    """A replica's inter-deployment gRPC server listens on 127.0.0.1 too (as the ingress's)."""
-    if loopback_only:
-        bind_replica_grpc_to_loopback()
-
-
-class _WorkerServer:
-    """What every worker deployment answers. `ferry_replica` (the pin) is accepted and ignored."""
+class _Replica:
+    """What a worker actor class gains as a replica of a Serve deployment: its name from the
+    replica's id, `identify` (the ingress finds replicas by broadcast), Serve's `check_health`
+    (the engine loop is alive), and a close when Serve stops it. Every other method is the actor's
+    own: Serve calls it directly, pinned to this replica by `PinnedRouter`."""
 
     kind = "worker"
-    worker: Any
+    if TYPE_CHECKING:  # the worker actor's, which every replica class is too
+        name: str
 
-    def _name(self, prefix: str) -> str:
+        async def load(self) -> WorkerLoad: ...
+
+        def close(self) -> None: ...
+
+        def transport_metadata(self) -> bytes: ...
+
+    def _replica_name(self, prefix: str, loopback_only: bool) -> str:
+        if loopback_only:  # a replica's inter-deployment gRPC server listens on 127.0.0.1 too (as the ingress's)
+            bind_replica_grpc_to_loopback()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         return f"{prefix}-{self.kind}-{self.replica_id}"
 
-    async def identify(self, **_: Any) -> WorkerIdentity:
-        metadata = self.worker.transport_metadata() if self.kind == "decode" else None
-        return WorkerIdentity(self.replica_id, self.worker.name, self.kind, metadata)
-
-    async def load(self, **_: Any) -> WorkerLoad:
-        return await self.worker.load()
-
-    async def telemetry(self, cursor: TelemetryCursor | None = None, **_: Any) -> Telemetry:
-        return await self.worker.telemetry(cursor)
+    async def identify(self) -> WorkerIdentity:
+        metadata = self.transport_metadata() if self.kind == "decode" else None
+        return WorkerIdentity(self.replica_id, self.name, self.kind, metadata)
 
     async def check_health(self) -> None:
-        if not (await self.worker.load()).healthy:
-            raise RuntimeError(f"{self.worker.name}: its engine loop died")
+        if not (await self.load()).healthy:
+            raise RuntimeError(f"{self.name}: its engine loop died")
 
     def __del__(self) -> None:
-        worker = getattr(self, "worker", None)
-        if worker is not None:
-            worker.close()
+        if getattr(self, "engine", None) is not None:  # built: its engine thread and endpoint stop
+            self.close()
 
 
-class PrefillServer(_WorkerServer):
+class PrefillReplica(_Replica, PrefillActor):
     kind = "prefill"
 
     def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str,
                  loopback_only: bool = True) -> None:
-        _loopback(loopback_only)
-        self.worker = PrefillActor(cfg, self._name(prefix), _find_stores(store_ids) or None, torch_threads)
-
-    async def prefill(self, req: GenerationRequest, decode: str, **_: Any) -> PrefillResult:
-        return await self.worker.prefill(req, decode)
-
-    async def prefetch(self, req: GenerationRequest, **_: Any) -> None:
-        await self.worker.prefetch(req)
-
-    async def add_peer(self, metadata: bytes, **_: Any) -> str:
-        return await self.worker.add_peer(metadata)
-
-    async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
-        async for event in self.worker.generate(req):  # lent a dead decode worker's stream
-            yield event
-
-    async def abort(self, request_id: str, **_: Any) -> bool:
-        return await self.worker.abort(request_id)
+        super().__init__(cfg, self._replica_name(prefix, loopback_only), _find_stores(store_ids) or None, torch_threads)
 
 
-class DecodeServer(_WorkerServer):
+class DecodeReplica(_Replica, DecodeActor):
     kind = "decode"
 
     def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str,
                  loopback_only: bool = True) -> None:
-        _loopback(loopback_only)
-        self.worker = DecodeActor(cfg, self._name(prefix), torch_threads, _find_stores(store_ids) or None)
-
-    async def announce(self, req: GenerationRequest, **_: Any) -> bool:
-        return await self.worker.announce(req)
-
-    async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
-        async for event in self.worker.generate(req):
-            yield event
-
-    async def generate_after_kv(self, request_id: str, **_: Any) -> AsyncIterator[TokenEvent]:
-        async for event in self.worker.generate_after_kv(request_id):
-            yield event
-
-    async def abort(self, request_id: str, **_: Any) -> bool:
-        return await self.worker.abort(request_id)
+        super().__init__(cfg, self._replica_name(prefix, loopback_only), torch_threads, _find_stores(store_ids) or None)
 
 
-class ColocatedServer(_WorkerServer):
+class ColocatedReplica(_Replica, ColocatedActor):
     kind = "colocated"
 
     def __init__(self, cfg: WorkerConfig, store_ids: list[str], torch_threads: int | None, prefix: str,
                  loopback_only: bool = True) -> None:
-        _loopback(loopback_only)
-        self.worker = ColocatedActor(cfg, self._name(prefix), torch_threads)
-
-    async def generate(self, req: GenerationRequest, **_: Any) -> AsyncIterator[TokenEvent]:
-        async for event in self.worker.generate(req):
-            yield event
-
-    async def abort(self, request_id: str, **_: Any) -> bool:
-        return await self.worker.abort(request_id)
+        super().__init__(cfg, self._replica_name(prefix, loopback_only), torch_threads)
 
 
 def worker_deployment(cls: type, name: str, num_replicas: int, actor_options: Mapping[str, Any]) -> Any:

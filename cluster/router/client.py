@@ -30,7 +30,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 
 from actors.errors import NoCapacity, NoWorkers, Refused, WorkerTimeout
@@ -45,7 +45,7 @@ from cluster.router.handles import TokenStream, WorkerGone, WorkerHandle, Worker
 from cluster.router.loads import LoadBoard, bounded
 from cluster.router.preemption import Preemptions
 from cluster.router.replacement import Replacements, Replacer
-from cluster.router.room import RoomQueue
+from cluster.router.room import Patience, RoomQueue
 from cluster.router.rounds import Outcome, RecoveryCoordinator
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class Router:
         if self.replacements is not None:
             self.board.on_dead = self.replacements.start
         self.room = RoomQueue()  # new requests waiting for a decode row, most urgent first
+        # Whether decode capacity is being added (set by the ingress under Serve): waiters wait for it.
+        self.capacity_coming: Callable[[], bool] = lambda: False
         self.preemptions = Preemptions(self.flights, self.decodes, self.room, control, self._place_locally,
                                        self.recovery_cfg.resume_wait_s)
         self.recoveries = RecoveryCoordinator(self._plan_recovery, self.in_flight, self.recovery_cfg)
@@ -117,8 +119,6 @@ class Router:
     def _choose(self, req: GenerationRequest, loads: Mapping[str, WorkerLoad],
                 decided: Placement | None = None) -> PlacementChoice:
         prefills, decodes = self.board.split(loads)
-        if decided is None:
-            return self.policy.place(req, prefills, decodes)
         return self.policy.place(req, prefills, decodes, decided=decided)
 
     async def _place(self, req: GenerationRequest) -> PlacementChoice:
@@ -288,8 +288,9 @@ class Router:
     # ---- a decode row --------------------------------------------------------------------------
 
     async def _announce_queued(self, req: GenerationRequest, choice: PlacementChoice) -> str:
-        """`_announce` for a new request: while every decode row is taken it waits in the room
-        queue (`room.py`) for up to `room_wait_s`, then is refused (`NoCapacity`)."""
+        """`_announce` for a new request: while every decode row is taken it waits in the room queue
+        and is refused (`NoCapacity`) once its `Patience` runs out (`room.py`). What the SLOs cannot
+        wait for, the scheduler's admission refuses up front (`slo_unattainable`)."""
         rank, key = choice.priority or (0, req.arrival_time)
         if self.room.may_skip(rank, key):
             try:
@@ -298,19 +299,22 @@ class Router:
                 if self.cfg.room_wait_s <= 0:
                     raise
         start_prefetch(self.prefills, choice.prefill, req)  # it waits: its prefix comes up from disk meanwhile
-        deadline = time.monotonic() + self.cfg.room_wait_s
+        patience = Patience(self.room, lambda: self.decodes, self.capacity_coming,
+                            self.cfg.room_wait_s, self.recovery_cfg.replace_wait_s)
         ticket = self.room.join(rank, key)
         try:
-            while True:
+            while (left := patience.left_s()) > 0:
                 if rank == 0:
                     self.preemptions.make_room(choice.decodes[0])
-                if not await self.room.turn(ticket, deadline - time.monotonic()):
-                    break
+                if not await self.room.turn(ticket, left):
+                    continue  # not its turn yet: `patience` says whether it keeps its place
                 try:
-                    return await self._announce(req, choice.decodes)
+                    return await self._announce(req, choice.decodes + tuple(n for n in self.decodes
+                                                                            if n not in choice.decodes))
                 except NoCapacity:
                     pass
-            raise NoCapacity(f"no decode worker had room for {req.request_id} within {self.cfg.room_wait_s:g}s")
+            raise NoCapacity(f"no decode worker had room for {req.request_id}: the queue did not move for "
+                             f"{self.cfg.room_wait_s:g}s (waited {time.monotonic() - patience.start:.0f}s)")
         finally:
             self.room.leave(ticket)
 

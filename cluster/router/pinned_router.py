@@ -1,8 +1,9 @@
 """PinnedRouter: a Serve request router that sends a call to the one replica its caller named.
 
 Mental model: ferry's scheduler, not Serve's load balancing, decides where a request runs, so the
-ingress calls worker deployments with the target replica's id in the keyword argument `REPLICA_KW`
-(`cluster/router/serve_handles.py`). This router, configured on each worker deployment and run by
+ingress calls worker deployments with the target replica's id as the call's `multiplexed_model_id`
+(`cluster/router/serve_handles.py`; no replica loads models by it, it is only the pin: the worker
+methods see their own arguments and nothing else). This router, configured on each worker deployment and run by
 Serve inside the caller's process, picks exactly that replica; a call without a target (none today)
 goes to any. A call pinned to a replica that is not among the live ones fails at once with
 `WorkerGone` (Serve would otherwise retry the routing until one appears: forever, for a dead one);
@@ -17,17 +18,14 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from cluster.router.handles import WorkerGone
 
-REPLICA_KW = "ferry_replica"
-
-
 class PinnedRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True  # Serve loops on an empty answer
-        target = pending_request.kwargs.get(REPLICA_KW)
-        if target is None:
+        target = pending_request.metadata.multiplexed_model_id
+        if not target:
             return [candidate_replicas]
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
         if chosen:  # a replica still starting may take a few seconds to accept: Serve keeps trying

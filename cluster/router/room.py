@@ -8,7 +8,9 @@ ticket ordered by its priority (SLO class rank first: interactive before batch; 
 scheduler's urgency or its arrival time) and only the head of the queue asks again: when a row of
 this caller frees (`release`), or every `poll_s` (rows freed by other callers' requests). The head
 leaving wakes the next one. A new request may skip the queue only if it outranks everyone waiting.
-`interactive_waiting` lets batch work resumed after a preemption yield its turn.
+`interactive_waiting` lets batch work resumed after a preemption yield its turn. `Patience` is
+how long a waiter keeps its place: a queue that moves is a busy cluster, served in order; one that
+has not moved for a while is a stalled one, and its waiters are refused.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
+from collections.abc import Callable, Iterable
 
 
 class RoomQueue:
@@ -27,6 +31,7 @@ class RoomQueue:
         self._waiting: dict[int, tuple[int, asyncio.Event]] = {}  # ticket -> (rank, wake-up)
         self._tickets = itertools.count()
         self.num_queued = 0  # requests that had to wait, ever
+        self.num_left = 0  # waiters that left the queue, ever (the queue moves while this grows)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -46,6 +51,7 @@ class RoomQueue:
 
     def leave(self, ticket: int) -> None:
         if self._waiting.pop(ticket, None) is not None:
+            self.num_left += 1
             self._wake_head()
 
     def release(self) -> None:
@@ -82,3 +88,29 @@ class RoomQueue:
         head = self._head()
         if head is not None:
             self._waiting[head][1].set()
+
+
+class Patience:
+    """One waiter's clock: it waits `wait_s` after the queue last moved (a waiter left it, a decode
+    worker joined), and on while capacity is on its way (`coming`: a decode worker being added),
+    but never past `wait_s + grace_s` in all."""
+
+    def __init__(self, room: RoomQueue, decodes: Callable[[], Iterable[str]], coming: Callable[[], bool],
+                 wait_s: float, grace_s: float) -> None:
+        self.start = time.monotonic()
+        self.wait_s = wait_s
+        self._room, self._decodes, self._coming = room, decodes, coming
+        self._seen = (set(decodes()), room.num_left)
+        self._deadline = self.start + wait_s
+        self._limit = self.start + wait_s + grace_s
+
+    def left_s(self) -> float:
+        """Seconds this waiter may still wait; 0 once its wait is over."""
+        now = time.monotonic()
+        decodes, left = set(self._decodes()), self._room.num_left
+        if not decodes <= self._seen[0] or left != self._seen[1]:  # the queue moved
+            self._deadline = min(self._limit, now + self.wait_s)
+        self._seen = (decodes, left)
+        if now >= self._deadline and self._coming():
+            self._deadline = min(self._limit, now + self._room.poll_s)
+        return max(0.0, self._deadline - now)

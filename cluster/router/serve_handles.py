@@ -1,8 +1,8 @@
 """`WorkerHandle` over one replica of a Serve worker deployment (prefill, decode, colocated).
 
 Mental model: the ingress holds one `DeploymentHandle` per worker deployment; a `ServeWorkerHandle`
-is that handle plus one replica's id, and every call carries the id in `REPLICA_KW`, so
-`PinnedRouter` (configured on the deployment) sends it to that replica and no other. Failures are
+is that handle plus one replica's id, and every call carries the id as its `multiplexed_model_id`,
+so `PinnedRouter` (configured on the deployment) sends it to that replica and no other. Failures are
 named as for actors: a replica that is gone (`WorkerGone` from the router, Serve's
 `ReplicaUnavailableError`, a dead actor) is `WorkerGone`; any other Ray actor error is
 `WorkerUnreachable`. A discarded stream is read to its end in the background (the worker has been
@@ -20,7 +20,6 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from cluster.router.handles import WorkerGone
-from cluster.router.pinned_router import REPLICA_KW
 from cluster.router.ray_handles import drain_in_background, named_failure
 
 T = TypeVar("T")
@@ -60,35 +59,34 @@ class ServeWorkerHandle:
     def __init__(self, name: str, replica_id: str, handle: DeploymentHandle) -> None:
         self.name = name
         self.replica_id = replica_id
-        self.handle = handle
-
-    def _pinned(self) -> dict[str, str]:
-        return {REPLICA_KW: self.replica_id}
+        self.handle = handle  # the deployment's (ServeReplacer tells kinds apart by it)
+        self._pinned = handle.options(multiplexed_model_id=replica_id)
+        self._pinned_stream = handle.options(multiplexed_model_id=replica_id, stream=True)
 
     async def load(self) -> WorkerLoad:
-        return await _call(self.name, self.handle.load.remote(**self._pinned()))
+        return await _call(self.name, self._pinned.load.remote())
 
     async def telemetry(self, cursor: TelemetryCursor | None = None) -> Telemetry:
-        return await _call(self.name, self.handle.telemetry.remote(cursor, **self._pinned()))
+        return await _call(self.name, self._pinned.telemetry.remote(cursor))
 
     async def announce(self, req: GenerationRequest) -> bool:
-        return await _call(self.name, self.handle.announce.remote(req, **self._pinned()))
+        return await _call(self.name, self._pinned.announce.remote(req))
 
     async def prefill(self, req: GenerationRequest, decode: str) -> PrefillResult:
-        return await _call(self.name, self.handle.prefill.remote(req, decode, **self._pinned()))
+        return await _call(self.name, self._pinned.prefill.remote(req, decode))
 
     async def add_peer(self, metadata: bytes) -> str:
-        return await _call(self.name, self.handle.add_peer.remote(metadata, **self._pinned()))
+        return await _call(self.name, self._pinned.add_peer.remote(metadata))
 
     def abort(self, request_id: str) -> Awaitable[Any]:
-        return self.handle.abort.remote(request_id, **self._pinned())
+        return self._pinned.abort.remote(request_id)
 
     def prefetch(self, req: GenerationRequest) -> Awaitable[Any]:
-        return self.handle.prefetch.remote(req, **self._pinned())
+        return self._pinned.prefetch.remote(req)
 
     def stream(self, req: GenerationRequest) -> ServeTokenStream:
-        return ServeTokenStream(self.name, self.handle.options(stream=True).generate.remote(req, **self._pinned()))
+        return ServeTokenStream(self.name, self._pinned_stream.generate.remote(req))
 
     def stream_after_kv(self, request_id: str) -> ServeTokenStream:
-        return ServeTokenStream(self.name, self.handle.options(stream=True).generate_after_kv.remote(
-            request_id, **self._pinned()))
+        return ServeTokenStream(self.name, self._pinned_stream.generate_after_kv.remote(
+            request_id))

@@ -34,6 +34,9 @@ class Client:
         self.replacements = Replacements(replacing)
         self.room = RoomQueue()
 
+    def capacity_coming(self) -> bool:
+        return bool(self.replacements.replacing)
+
     async def loads(self) -> dict[str, WorkerLoad]:
         return self._loads
 
@@ -70,7 +73,8 @@ def test_requests_waiting_for_a_decode_row_are_reported() -> None:
         client.room.join(1, 0.0)
         return await ClusterBackend(client, None, "m", 100).health()  # type: ignore[arg-type]
 
-    assert asyncio.run(main())["row_queue"] == {"waiting": 1, "num_queued": 1, "interactive_waiting": False}
+    assert asyncio.run(main())["row_queue"] == {"waiting": 1, "num_queued": 1, "interactive_waiting": False,
+                                                 "capacity_coming": False}
     assert health([load("d0", "decode")])["row_queue"]["waiting"] == 0
 
 

@@ -2,7 +2,8 @@
 worker handles (no Ray): a request refused for lack of rows waits and gets the next free row
 instead of a 429; interactive requests get rows before batch ones that waited longer; a new
 request does not jump the queue unless it outranks it; a wait past `room_wait_s` is refused;
-`room_wait_s=0` refuses at once, as before; an interactive request that finds no row stops its
+`room_wait_s=0` refuses at once, as before; a waiter's `Patience` renews while the queue moves or
+capacity is coming, up to its bound; an interactive request that finds no row stops its
 client's batch row that is cheapest to recompute."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cluster.router.choice import PlacementChoice
 from cluster.router.client import Router
 from cluster.router.config import RouterConfig
 from cluster.router.flight import DECODING, PREEMPTED, InFlight
-from cluster.router.room import RoomQueue
+from cluster.router.room import Patience, RoomQueue
 
 
 def test_only_the_most_urgent_waiter_is_woken_and_the_next_one_when_it_leaves() -> None:
@@ -87,6 +88,29 @@ class Decode:
 
     def free(self) -> None:
         self.taken.pop(0)
+
+
+def test_patience_renews_while_the_queue_moves_or_capacity_comes_and_never_past_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    q, decodes, coming = RoomQueue(poll_s=0.5), ["d0"], [False]
+    patience = Patience(q, lambda: decodes, lambda: coming[0], wait_s=10.0, grace_s=20.0)
+    assert patience.left_s() == 10.0
+    now[0] = 108.0
+    q.leave(q.join(0, 0.0))  # a waiter got its row: the queue moved
+    assert patience.left_s() == 10.0
+    now[0] = 115.0
+    decodes.append("d1")  # a decode worker joined
+    assert patience.left_s() == 10.0
+    now[0] = 125.0  # nothing moved for wait_s
+    assert patience.left_s() == 0.0
+    coming[0] = True  # a decode worker is being added: wait on, a poll at a time
+    assert patience.left_s() == 0.5
+    now[0] = 129.9
+    assert 0 < patience.left_s() <= 0.5
+    now[0] = 130.0  # wait_s + grace_s since the start: over, whatever comes
+    assert patience.left_s() == 0.0
 
 
 def request(rid: str) -> GenerationRequest:
