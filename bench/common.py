@@ -35,6 +35,17 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, result
 
 
+def gb_per_s(size: int, once: Callable[[], None]) -> float:
+    """Median GB/s of `once` moving `size` bytes, after one untimed warm-up (more repeats when small)."""
+    once()
+    times = []
+    for _ in range(20 if size <= MIB else 8 if size <= 16 * MIB else 3):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times) / 1e9
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
     """A plain left/right-aligned text table: strings left, numbers right."""
     cells = [[_cell(v) for v in row] for row in rows]
@@ -67,7 +78,7 @@ def _cell(v: Any) -> str:
             return f"{v:,.0f}"
         if abs(v) >= 10:
             return f"{v:.1f}"
-        return f"{v:.2f}"
+        return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
     return str(v)
 
 

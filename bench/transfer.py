@@ -15,10 +15,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -30,46 +28,13 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import MIB, format_table, gb_per_s  # noqa: E402
+from bench.common import progress as log  # noqa: E402
 from bench.transfer_quality import quality  # noqa: E402
 from transfer.codec import Compression, KVLayout, decode_shard, encode  # noqa: E402
 # transfer.nixl imports the nixl package only inside NixlTransport and nixl_available: this file runs
 # where nixl (or Ray, imported in object_store) is missing.
 from transfer.nixl import NixlConfig, NixlTransport, nixl_available  # noqa: E402
-
-MIB = 1 << 20
-GB = 1e9
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def table(title: str, headers: list[str], rows: list[list[Any]]) -> str:
-    def fmt_value(v: Any) -> str:
-        if not isinstance(v, float):
-            return str(v)
-        return f"{v:.0f}" if v >= 100 else f"{v:.2f}" if v >= 1 else f"{v:.3f}"
-
-    cells = [[fmt_value(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([title, fmt(headers), "  ".join("-" * w for w in widths), *map(fmt, cells)])
-
-
-def reps_for(size: int) -> int:
-    return 20 if size <= MIB else 8 if size <= 16 * MIB else 3
-
-
-def timed_reps(size: int, once: Callable[[], None]) -> float:
-    """Median GB/s of `once` moving `size` bytes, after one untimed warm-up."""
-    once()
-    times = []
-    for _ in range(reps_for(size)):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return size / statistics.median(times) / GB
-
 
 # ---------------------------------------------------------------------------------- transports
 def _receiver(kind: str, max_size: int, conn: Any) -> None:
@@ -110,7 +75,7 @@ def two_process(kind: str, sizes: list[int]) -> dict[int, float]:
                     buf[:size] = src[:size]
                     conn.send_bytes(size.to_bytes(8, "little"))
                     assert conn.poll(60) and conn.recv_bytes() == b"k"
-                out[size] = timed_reps(size, once)
+                out[size] = gb_per_s(size, once)
             conn.send_bytes((0).to_bytes(8, "little"))
             del buf
             seg.close()
@@ -124,7 +89,7 @@ def two_process(kind: str, sizes: list[int]) -> dict[int, float]:
                     conn.send_bytes(b"go")
                     t.send("bench-rx", [src[:size]], timeout_s=60.0)
                     assert conn.poll(60) and conn.recv_bytes() == b"k"
-                out[size] = timed_reps(size, once)
+                out[size] = gb_per_s(size, once)
             conn.send_bytes(b"stop")
             t.close()
     finally:
@@ -165,7 +130,7 @@ def object_store(sizes: list[int]) -> dict[int, float]:
                 taken = rx.take.remote()
                 tx.send("bench-rx", [src[:size]], timeout_s=60.0)
                 assert ray.get(taken, timeout=60) == size
-            out[size] = timed_reps(size, once)
+            out[size] = gb_per_s(size, once)
         tx.close()
         return out
     finally:
@@ -187,7 +152,7 @@ def local(sizes: list[int]) -> dict[int, float]:
             dst[:size] = np.frombuffer(d.data, dtype=np.uint8)
 
     try:
-        return {size: timed_reps(size, lambda size=size: once(size)) for size in sizes}
+        return {size: gb_per_s(size, lambda size=size: once(size)) for size in sizes}
     finally:
         tx.close()
         rx.close()
@@ -196,7 +161,7 @@ def local(sizes: list[int]) -> dict[int, float]:
 def memcpy(sizes: list[int]) -> dict[int, float]:
     src = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
     dst = np.ones_like(src)
-    return {size: timed_reps(size, lambda size=size: np.copyto(dst[:size], src[:size])) for size in sizes}
+    return {size: gb_per_s(size, lambda size=size: np.copyto(dst[:size], src[:size])) for size in sizes}
 
 
 # ---------------------------------------------------------------------------------- codec
@@ -217,8 +182,8 @@ def codec_figures(num_blocks: int) -> list[dict[str, Any]]:
                 decode_shard(s, layout).kv.contiguous()
             dec_s.append(time.perf_counter() - t0)
         rows.append({"codec": c.name.lower(), "raw_mib": raw / MIB, "wire_mib": sum(map(len, shards)) / MIB,
-                     "ratio_vs_bf16": sum(map(len, shards)) / raw, "encode_gbps": raw / min(enc_s) / GB,
-                     "decode_gbps": raw / min(dec_s) / GB})
+                     "ratio_vs_bf16": sum(map(len, shards)) / raw, "encode_gbps": raw / min(enc_s) / 1e9,
+                     "decode_gbps": raw / min(dec_s) / 1e9})
     return rows
 
 
@@ -304,11 +269,11 @@ def main() -> None:
         rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
         if "nixl_vs_shm" in figures:
             rows.append(["nixl / shm", *figures["nixl_vs_shm"].values()])
-        print(table("Transport round trip, GB/s (median)", ["path", *head], rows), end="\n\n")
+        print(format_table(["path", *head], rows, "Transport round trip, GB/s (median)"), end="\n\n")
     if "codec" in figures:
         keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
         codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
-        print(table("Codec on SmolLM2-shaped bf16 KV, 4 shards", keys, codec_rows), end="\n\n")
+        print(format_table(keys, codec_rows, "Codec on SmolLM2-shaped bf16 KV, 4 shards"), end="\n\n")
     if "lossless" in figures:
         from bench.transfer_lossless import render
 
@@ -325,7 +290,7 @@ def main() -> None:
                      f"{args.tokens} greedy tokens\n(forced: fed the reference's tokens, per step; (ties): a pick the other side's"
                      " logits tie with its own counts as agreement;\n free: its own tokens; max_logit_diff and"
                      " mean_kl (nats): forced steps; 1-ulp: every KV value one step off, the floor)")
-            print(table(title, ["variant", *heads], rows), end="\n\n")
+            print(format_table(["variant", *heads], rows, title), end="\n\n")
 
 
 if __name__ == "__main__":

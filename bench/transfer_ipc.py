@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bench.transfer import MIB, table, timed_reps
+from bench.common import MIB, format_table, gb_per_s
 
 def _ipc_receiver(device: str, max_size: int, conn: Any) -> None:
     """Child process: a cuda_ipc endpoint whose arena is on `device`; takes each shard and acks."""
@@ -49,7 +49,7 @@ def cuda_ipc_figures(sizes: list[int], device: str) -> dict[str, dict[int, float
         dst[:size].copy_(src[:size])
         sync()
 
-    out = {"d2d copy (1 process)": {size: timed_reps(size, lambda size=size: copy(size)) for size in sizes}}
+    out = {"d2d copy (1 process)": {size: gb_per_s(size, lambda size=size: copy(size)) for size in sizes}}
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
     proc = ctx.Process(target=_ipc_receiver, args=(device, max(sizes), child_end), daemon=True)
@@ -65,7 +65,7 @@ def cuda_ipc_figures(sizes: list[int], device: str) -> dict[str, dict[int, float
             tx.send("bench-ipc-rx", [src[:size]], timeout_s=60.0)
             assert conn.poll(60) and conn.recv_bytes() == b"k"
 
-        out["cuda_ipc (2 processes)"] = {size: timed_reps(size, lambda size=size: once(size)) for size in sizes}
+        out["cuda_ipc (2 processes)"] = {size: gb_per_s(size, lambda size=size: once(size)) for size in sizes}
         conn.send_bytes(b"stop")
     finally:
         tx.close()
@@ -86,5 +86,5 @@ def print_cuda_ipc(sizes: list[int], device: str, as_json: bool) -> None:
         return
     rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
     rows.append(["cuda_ipc / d2d", *figures["cuda_ipc_vs_d2d"].values()])
-    print(table(f"Same-node transfer on {device}, GB/s (median)", ["path", *[f"{s} MiB" for s in figures["sizes_mib"]]],
-                rows))
+    print(format_table(["path", *[f"{s} MiB" for s in figures["sizes_mib"]]], rows,
+                       f"Same-node transfer on {device}, GB/s (median)"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -11,7 +12,6 @@ import time
 from typing import Any
 
 from actors.engine.errors import EngineError
-from deploy.bench_cli import add_bench_parser
 from deploy.ops import add_ops_parsers
 
 
@@ -144,6 +144,13 @@ def _drain(serve: Any, timeout_s: float) -> None:
           "cutting them", file=sys.stderr, flush=True)
 
 
+def add_plugin_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Subcommands other packages add through the `ferry.commands` entry points (bench/ adds
+    `ferry bench`): deploy/ calls them without importing the packages above it."""
+    for entry in importlib.metadata.entry_points(group="ferry.commands"):
+        entry.load()(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="Disaggregated LLM serving on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -164,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     add_ops_parsers(sub)
-    add_bench_parser(sub)
+    add_plugin_parsers(sub)
 
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("--model", default="smollm2", help="known name, .gguf file or HF folder")

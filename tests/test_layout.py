@@ -1,5 +1,5 @@
 """The shape of the code, checked: imports go one way (kernels <- transfer <- actors <- cluster <- deploy;
-bench may import anything), no import circle between files of actors/, cluster/ or bench/sim/ (type-only
+bench may import anything, nothing imports bench; `ferry bench` comes in through an entry point), no import circle between files of actors/, cluster/, deploy/ or bench/ (type-only
 imports count: a circle is a circle), every class name is defined once, and no module of the serving
 packages grows past 400 lines (split by noun when one does)."""
 
@@ -42,7 +42,7 @@ def test_imports_go_one_way() -> None:
         level = PACKAGES.index(name.split(".")[0])
         for target in imported(path):
             top = target.split(".")[0]
-            if top in PACKAGES and PACKAGES.index(top) > level:
+            if top == "bench" or top in PACKAGES and PACKAGES.index(top) > level:
                 wrong.append(f"{name} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
 
@@ -68,8 +68,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles() -> None:
-    mods = modules("actors", "cluster", "bench/sim")
-    graph = {name: {t for t in imported(path) if t in mods and t != name} for name, path in mods.items()}
+    mods = modules("actors", "cluster", "deploy", "bench")
+    # a module's own parent packages are not edges: `from pkg import submodule` names pkg, but it is the
+    # submodule that is used, and a package's __init__ re-exporting its modules is not a circle of design
+    graph = {name: {t for t in imported(path) if t in mods and t != name and not name.startswith(t + ".")}
+             for name, path in mods.items()}
     assert not cycles(graph), "\n".join(" -> ".join(c) for c in cycles(graph))
 
 

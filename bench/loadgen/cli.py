@@ -223,6 +223,15 @@ def apply_short_prompts(a: argparse.Namespace) -> None:
         a.length_scale, a.max_prompt_len, a.max_model_len, a.max_output_len = 0.1, 0, 1024, 64
 
 
+def add_ferry_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Adds `ferry bench serve` to ferry's subcommands (the `ferry.commands` entry point in
+    pyproject.toml: deploy/cli.py loads it without importing bench/)."""
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
+    srv = bench.add_parser("serve", help="replay a trace against OpenAI-compatible servers; goodput, P99s, peers")
+    add_arguments(srv)
+    srv.set_defaults(func=run_bench)
+
+
 def run_bench(a: argparse.Namespace) -> int:
     apply_short_prompts(a)
     rates = [float(r) for r in a.sweep.split(",")] if a.sweep else [a.rate]
