@@ -1,6 +1,6 @@
 """The dashboard's MoE section: each worker's expert load over the last poll, and its routing table.
 
-Mental model: an `ExpertSource` (the ingress's `RoutingHealth`, reading the routing controller)
+Mental model: an `ExpertSource` (the ingress's `deploy/moe.RoutingView`, reading the routing controller)
 hands the workers' cumulative `ExpertLoadReport`s; `ExpertWindow` keeps the previous poll's report of
 each worker and turns the difference into what the page draws: per layer the share of each expert,
 the worst layer's imbalance (max/mean) and the tokens routed since the previous poll that saw new
