@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Literal
 from actors.engine.options import RequestOptions
 from actors.engine.output import RequestOutput, StepRecord
 from actors.engine.sampling import SamplingParams
+from actors.kinds import WorkerKind
 
 if TYPE_CHECKING:
     from actors.engine.memory import KVPlan
 
-WorkerKind = Literal["prefill", "decode", "colocated"]
 CacheKey = str | int | bytes  # what the engine's block hashes accept as extra keys
 
 

@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass
 from typing import NewType
 
+from actors.kinds import WorkerKind  # noqa: F401  (re-exported: the scheduler's modules name it from here)
+
 RequestId = NewType("RequestId", str)
 TenantId = NewType("TenantId", str)
 WorkerName = NewType("WorkerName", str)
@@ -29,20 +31,6 @@ class SloClass(str, enum.Enum):
     def rank(self) -> int:
         # Priority keys sort by rank first: interactive work always runs before batch work.
         return 0 if self is SloClass.INTERACTIVE else 1
-
-
-class WorkerKind(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
-
-    @property
-    def serves_prefill(self) -> bool:
-        return self is not WorkerKind.DECODE
-
-    @property
-    def serves_decode(self) -> bool:
-        return self is not WorkerKind.PREFILL
 
 
 @dataclass(frozen=True, slots=True)
