@@ -5,7 +5,7 @@ random weights whose router is made skewed (bench/moe_model.py: a few experts ta
 in real MoE traffic). float32 on CPU, one torch thread. Three parts:
 
 - controller: the routing controller (cluster/moe) steering one engine through `RoutingSync`, for
-  several quality budgets (`min_base_agreement`: shadow-sample routing agreement with no bias that
+  several quality budgets (`min_base_agreement`: logit-sample routing agreement with no bias that
   all its updates together may not go under). Each round serves a batch of random prompts, syncs
   and ticks once. Reported: live expert-load imbalance (max/mean, worst layer) on the same held-out
   traffic before and after, its cut (ratio and excess over 1), and the greedy-token change: the

@@ -2,19 +2,19 @@
 
 Mental model: the controller is the source of truth of each MoE model's routing table. Workers
 `sync` with it: they hand in their cumulative expert loads (`ExpertLoadReport`) and, now and then,
-a shadow sample of router logits, and take back the published table, which they swap in between
+a logit sample of router logits, and take back the published table, which they swap in between
 two steps; so every worker of a model applies the same version. `tick(model)` is one control
 decision, in the spirit of auxiliary-loss-free balancing: from the loads routed since the last
 decision (summed over workers), each expert over the mean load has its bias lowered by `step_size`
 times its relative excess (experts under the mean are left alone: moving tokens between cold experts
 costs quality and lowers no peak; bench/moe.py measured fewer changed tokens at the same imbalance
-than with the two-sided rule). The candidate is tried on the shadow sample
-(shadow.py) against the current table (agreement, mixture divergence) and against no bias at all
+than with the two-sided rule). The candidate is tried on the logit sample
+(trial.py) against the current table (agreement, mixture divergence) and against no bias at all
 (the quality budget); a candidate that fails is halved and tried again, and refused after
 `max_tries`. The next tick checks the published table on live load: imbalance worse than before
 it by `rollback_margin` rolls it back (a newer version carrying the previous biases). Every
 decision is logged and kept (`decisions`) with the live imbalance before it and the one predicted
-after it on the shadow sample; every published table's live imbalance before and after it is logged
+after it on the logit sample; every published table's live imbalance before and after it is logged
 and kept too (`outcomes`).
 """
 
@@ -31,7 +31,7 @@ import torch
 from actors.engine.moe.budget import ExpertBudgets
 from actors.engine.moe.routing import imbalance
 from actors.engine.moe.routing_table import MAX_ABS_BIAS, RoutingTable, RoutingUpdate, TableRejected, validate
-from actors.engine.moe.shadow import ShadowCheck, check_candidate
+from actors.engine.moe.trial import Trial, check_candidate
 from actors.engine.moe.telemetry import ExpertLoadReport
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class ControllerConfig:
     step_size: float = 0.5  # bias change (logit units) for an expert 100% over or under the mean
     max_abs_bias: float = 4.0  # never more than the workers accept (routing_table.MAX_ABS_BIAS)
     min_tokens: int = 512  # routed tokens (per layer, all workers) a decision needs
-    min_agreement: float = 0.9  # shadow rows keeping their experts, candidate vs current
+    min_agreement: float = 0.9  # sampled rows keeping their experts, candidate vs current
     max_divergence: float = 0.1  # mean mixture total variation, candidate vs current
     min_base_agreement: float = 0.6  # candidate vs no bias: the quality budget of all updates together
     target_imbalance: float = 1.05  # below this (max/mean, worst layer) nothing changes
@@ -60,8 +60,8 @@ class Decision:
     action: str  # published | refused | rolled_back | set_by_admin | balanced | budgets_set
     version: int  # the table in force after the decision
     imbalance_before: float  # live, worst layer, since the previous decision
-    imbalance_predicted: float  # on the shadow sample under the table in force after it
-    check: ShadowCheck | None
+    imbalance_predicted: float  # on the logit sample under the table in force after it
+    check: Trial | None
     reason: str = ""
     at_s: float = field(default_factory=time.time)
 
@@ -102,7 +102,7 @@ class RoutingController:
     # ------------------------------------------------------------------------------- workers
     def sync(self, model: str, worker: str, report: ExpertLoadReport, top_k: int,
              sample: Sequence[torch.Tensor] | None = None, active: RoutingTable | None = None) -> RoutingUpdate:
-        """A worker's loads (and shadow sample) in, the published table and the expert budgets out.
+        """A worker's loads (and logit sample) in, the published table and the expert budgets out.
         `active`: the worker's table when it is newer than what this controller last answered (a
         restarted controller adopts it, so versions keep growing and the workers keep taking them)."""
         m = self._model(model, report, top_k)
@@ -182,10 +182,10 @@ class RoutingController:
         m.totals.clear()  # a fresh window: the next decision sees the traffic from here on
         return self._decide(model, "refused", m.table.version, before, before, check, reason)
 
-    def _fails(self, vs_current: ShadowCheck, vs_base: ShadowCheck) -> str:
+    def _fails(self, vs_current: Trial, vs_base: Trial) -> str:
         c = self.cfg
         if vs_current.num_rows == 0:
-            return "no shadow sample"
+            return "no logit sample"
         if vs_current.agreement < c.min_agreement:
             return f"agreement {vs_current.agreement:.3f} < {c.min_agreement}"
         if vs_current.divergence > c.max_divergence:
@@ -239,7 +239,7 @@ class RoutingController:
         self._decide(model, "budgets_set", m.table.version, 0.0, 0.0, None, str(budgets.to_json()))
 
     def _decide(self, model: str, action: str, version: int, before: float, predicted: float,
-                check: ShadowCheck | None, reason: str = "") -> Decision:
+                check: Trial | None, reason: str = "") -> Decision:
         d = Decision(model, action, version, round(before, 4), round(predicted, 4), check, reason)
         self.decisions[model].append(d)
         level = logging.INFO if action in ("published", "balanced", "set_by_admin", "budgets_set") else logging.WARNING

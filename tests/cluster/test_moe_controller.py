@@ -1,4 +1,4 @@
-"""The routing controller on synthetic loads and shadow samples: it publishes tables that lower the
+"""The routing controller on synthetic loads and logit samples: it publishes tables that lower the
 peak expert load, refuses candidates its checks reject, rolls back a table that made live load worse,
 validates an operator's table, and keeps every worker on the published version."""
 

@@ -1,4 +1,4 @@
-"""`MoEControl`: one model's routing state, loads, shadow sample and budgets, and the engine hook.
+"""`MoEControl`: one model's routing state, loads, logit sample and budgets, and the engine hook.
 
 Mental model: `install_moe_control(engine)` (a no-op for dense models) binds a `MoEControl` to every
 `SparseMoE` layer of the engine's model and adds one of the engine's `step_hooks`: after the

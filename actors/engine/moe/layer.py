@@ -3,7 +3,7 @@
 Mental model: softmax over all experts, the top k chosen, their weights renormalised over the k;
 experts run one by one on the tokens routed to them. Unbound, the layer is exactly that. Once a
 `MoEControl` (control.py) binds itself (`routing`, `layer_index`), the choice goes through it: the
-step's bias table, a request's expert budget, load counters and the shadow sample (routing.py
+step's bias table, a request's expert budget, load counters and the logit sample (routing.py
 has the rule). The weights are the same either way (weights.py names them).
 """
 

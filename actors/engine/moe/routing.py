@@ -4,7 +4,7 @@ Mental model: selection and weighting are separate, as in auxiliary-loss-free ba
 and the mask decide *which* k experts a token goes to (top-k of logits + bias among the allowed
 ones); the weights are always the unbiased softmax probabilities of the chosen experts,
 renormalised over them (Mixtral). With no bias and no mask this is exactly Mixtral's top-k, bit
-for bit, so a zero table changes nothing. The layer, the shadow check of candidate tables and the
+for bit, so a zero table changes nothing. The layer, the trial of candidate tables and the
 benches all call `route`, so they agree on what a table does.
 """
 

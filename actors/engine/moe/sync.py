@@ -1,7 +1,7 @@
 """`RoutingSync`: a worker's link to the routing controller, one exchange every `period_s`.
 
 Mental model: the worker pushes, the controller answers. Each exchange hands the controller this
-worker's expert loads (and, every `sample_every` exchanges, its shadow sample of router logits) and
+worker's expert loads (and, every `sample_every` exchanges, its logit sample of router logits) and
 takes back a `RoutingUpdate`: the model's published table and its tenants' expert budgets. A newer
 table is applied at once (`MoEControl.apply_table` validates it; it takes effect at the next engine
 step). Every worker of a model syncs with the same controller, so all converge on the same version

@@ -4,7 +4,7 @@ Mental model: `LoadCounters` adds each forward's expert choices into one [L, E] 
 model's device (one bincount per layer, no host sync); readers copy it out. Counts are cumulative
 since the worker started, so any number of readers (the controller, /health, Prometheus) take
 their own windows by differencing. `LogitSample` keeps the last `capacity` router-logit rows of
-each layer (a few rows of every step, evenly spaced), the shadow sample on which the routing
+each layer (a few rows of every step, evenly spaced), the logit sample on which the routing
 controller tries a candidate table before publishing it. `ExpertLoadReport` is the descriptor
 both leave the worker as.
 """

@@ -23,7 +23,7 @@ from actors.engine.scheduler import ScheduledBatch
 from actors.engine.spec.config import SpecConfig
 from actors.engine.spec.policy import Acceptance, Candidate, TokenTimeModel, choose_k, urgency
 from actors.engine.spec.proposers import DraftRow, ModelDrafter, NgramProposer
-from actors.engine.spec.verify import num_matching, shadow_states, speculative_sample, target_probs
+from actors.engine.spec.verify import num_matching, draft_states, speculative_sample, target_probs
 
 TPOT_EMA = 0.3  # weight of a row's newest inter-token time in its TPOT estimate
 
@@ -162,7 +162,7 @@ class SpecDecoder:
         for i in plain:
             req = due[i]
             r = spec.get(req.request_id)
-            states += shadow_states(req.sampling, r.drafts) if r else [req.sampling]
+            states += draft_states(req.sampling, r.drafts) if r else [req.sampling]
             index += range(*spans[i])
         result = sampler.sample(logits[index], states, eos_token_ids) if index else None
         out: list[tuple[list[int], list[TokenLogprobs | None]]] = []
@@ -189,7 +189,7 @@ class SpecDecoder:
 
     def _rejection_sample(self, logits: torch.Tensor, req: Request, r: DraftRow,
                           eos: frozenset[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        p = target_probs(logits, shadow_states(req.sampling, r.drafts), eos)
+        p = target_probs(logits, draft_states(req.sampling, r.drafts), eos)
         tokens = speculative_sample(p, torch.stack(r.probs), r.drafts, req.sampling.seed, req.num_output_tokens)
         n = req.params.logprobs
         return tokens, [None if n is None else token_logprobs(logits[i], t, n) for i, t in enumerate(tokens)]

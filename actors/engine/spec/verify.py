@@ -27,7 +27,7 @@ ACCEPT_STREAM = 0x6A09E667F3BCC909  # seeds the acceptance uniforms apart from t
 DRAFT_STREAM = 0xBB67AE8584CAA73B  # and a draft model's own draws apart from both
 
 
-def shadow_states(state: SamplingState, drafts: list[int]) -> list[SamplingState]:
+def draft_states(state: SamplingState, drafts: list[int]) -> list[SamplingState]:
     """The request as the sampler sees it at each of the k+1 verified positions: after 0..k drafts."""
     out = []
     for i in range(len(drafts) + 1):

@@ -10,7 +10,7 @@ import torch
 
 from actors.engine.moe.routing import imbalance, route
 from actors.engine.moe.routing_table import RoutingState, RoutingTable, TableRejected
-from actors.engine.moe.shadow import check_candidate
+from actors.engine.moe.trial import check_candidate
 
 
 def test_route_without_bias_is_mixtral_top_k() -> None:
@@ -78,7 +78,7 @@ def test_json_round_trip_and_malformed_json() -> None:
         RoutingTable.from_json({"version": 1, "bias": 3})
 
 
-def test_shadow_check_measures_agreement_and_predicted_imbalance() -> None:
+def test_a_trial_measures_agreement_and_predicted_imbalance() -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(400, 4, generator=g) + torch.tensor([2.0, 0.0, 0.0, 0.0])  # expert 0 hot
     zero = torch.zeros(1, 4)

@@ -1,4 +1,4 @@
-"""Trying a candidate routing table on a shadow sample of live router logits, before anyone routes with it.
+"""Trying a candidate routing table on a sample of live router logits, before anyone routes with it.
 
 Mental model: the worker keeps recent router-logit rows of each layer (telemetry.LogitSample). Since
 a table only changes which experts are chosen (routing.route), what a candidate would do to real
@@ -21,7 +21,7 @@ from actors.engine.moe.routing import dense_weights, expert_counts, imbalance, r
 
 
 @dataclass(frozen=True)
-class ShadowCheck:
+class Trial:
     num_rows: int  # sample rows over all layers
     agreement: float  # rows whose expert set is unchanged, over all rows (1.0: no row moves)
     divergence: float  # mean total variation distance between the rows' expert mixtures
@@ -30,7 +30,7 @@ class ShadowCheck:
 
 
 def check_candidate(sample: Sequence[torch.Tensor], current: torch.Tensor, candidate: torch.Tensor,
-                    top_k: int) -> ShadowCheck:
+                    top_k: int) -> Trial:
     """`sample[l]` [n_l, E] float32 logits of layer l; `current`, `candidate` [L, E] biases."""
     same = moved = 0.0
     rows = 0
@@ -48,5 +48,5 @@ def check_candidate(sample: Sequence[torch.Tensor], current: torch.Tensor, candi
         imb_now.append(imbalance(expert_counts(e0, num_experts)))
         imb_new.append(imbalance(expert_counts(e1, num_experts)))
     if rows == 0:
-        return ShadowCheck(0, 1.0, 0.0, 1.0, 1.0)
-    return ShadowCheck(rows, same / rows, moved / rows, max(imb_now), max(imb_new))
+        return Trial(0, 1.0, 0.0, 1.0, 1.0)
+    return Trial(rows, same / rows, moved / rows, max(imb_now), max(imb_new))
