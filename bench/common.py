@@ -78,7 +78,7 @@ def _cell(v: Any) -> str:
             return f"{v:,.0f}"
         if abs(v) >= 10:
             return f"{v:.1f}"
-        return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
+        return f"{v:.2f}"
     return str(v)
 
 
