@@ -166,7 +166,10 @@ def test_bounded_onednn_caches_stop_growing_with_new_shapes() -> None:
     unbounded = _cache_probe("unset", {})
     bounded = _cache_probe("8", {})
     assert bounded["env"] == {name: "8" for name in ONEDNN_CACHE_VARIABLES}
-    assert unbounded["growth"] > 50 * MIB, unbounded
+    # What each cached primitive holds depends on the CPU's oneDNN path (with AVX512-BF16 or AMX tens of
+    # MiB in all, ~8 MB where bf16 is emulated on AVX-512F): the check is that the defaults keep growing
+    # with new shapes at all, and that the bound is what stops it.
+    assert unbounded["growth"] > 2 * MIB, unbounded
     assert bounded["growth"] < unbounded["growth"] / 4, (bounded, unbounded)
     engine = _cache_probe("engine", {})
     assert engine["env"] == {name: str(ONEDNN_CACHE_ENTRIES) for name in ONEDNN_CACHE_VARIABLES}
