@@ -48,6 +48,7 @@ from actors.engine.output import EngineStats
 from actors.handoff import kv_layout
 from actors.messages import WorkerLoad
 from actors.moe_link import link_routing
+from actors.node_roles import worker_role
 from actors.prefill import PrefillWorker
 from actors.prefix_cache.actor import RayStoreHandle, start_store_actors
 from actors.prefix_cache.handles import StoreHandle
@@ -197,7 +198,7 @@ class PDDeployment:
             raise KeyError(f"no worker named {name!r} in this deployment")
         _kill(self.prefills[name] if kind == "prefill" else self.decodes[name])
         timeout = self.start_timeout_s
-        cfg, options = placed(self.cfg, self.resources), self.resources.actor_options()
+        cfg, options = placed(self.cfg, self.resources), self.resources.actor_options(worker_role(kind))
         if self.colocated:
             handle = RemoteColocated.options(**options).remote(cfg, name, self.torch_threads)
             await _started(handle, asyncio.wait_for(handle.load.remote(), timeout))
@@ -274,12 +275,13 @@ def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
     prefix = name_prefix or f"ferry-{uuid.uuid4().hex[:6]}"
     resources = _resources_for(cfg, num_prefill + num_decode, resources)
     cfg = placed(cfg, resources)
-    options = resources.actor_options()
-    stores = start_store_actors(cache, num_cache, id_prefix=f"{prefix}-cache") if cache and num_cache else {}
-    decodes = {f"{prefix}-decode-{i}": RemoteDecode.options(**options).remote(cfg, f"{prefix}-decode-{i}",
-                                                                             torch_threads, stores or None)
+    stores = (start_store_actors(cache, num_cache, id_prefix=f"{prefix}-cache", roles=resources.roles)
+              if cache and num_cache else {})
+    decode_options = resources.actor_options("decode")
+    decodes = {f"{prefix}-decode-{i}": RemoteDecode.options(**decode_options).remote(
+                   cfg, f"{prefix}-decode-{i}", torch_threads, stores or None)
                for i in range(num_decode)}
-    prefills = {f"{prefix}-prefill-{i}": RemotePrefill.options(**options).remote(
+    prefills = {f"{prefix}-prefill-{i}": RemotePrefill.options(**resources.actor_options("prefill")).remote(
                     cfg, f"{prefix}-prefill-{i}", stores or None, torch_threads)
                 for i in range(num_prefill)}
     deployment = PDDeployment(prefills, decodes, dict(stores), cfg, torch_threads, resources,
@@ -293,7 +295,7 @@ def start_pd(cfg: WorkerConfig, *, num_prefill: int = 1, num_decode: int = 1,
         deployment.shutdown()
         raise
     logger.info("started %d prefill, %d decode, %d cache actors (%s) on %s (%s each)", num_prefill, num_decode,
-                len(stores), prefix, resources.device, options)
+                len(stores), prefix, resources.device, decode_options)
     return deployment
 
 
@@ -304,7 +306,7 @@ def start_colocated(cfg: WorkerConfig, *, num_workers: int = 1, torch_threads: i
     `resources` as for `start_pd`."""
     resources = _resources_for(cfg, num_workers, resources)
     cfg = placed(cfg, resources)
-    options = resources.actor_options()
+    options = resources.actor_options("decode")
     workers = {f"{name_prefix}-{i}": RemoteColocated.options(**options).remote(cfg, f"{name_prefix}-{i}",
                                                                              torch_threads)
                for i in range(num_workers)}

@@ -18,6 +18,7 @@ from typing import Any
 from actors.core_share import CORE_SHARE_ENV, default_core_share_path
 from actors.engine.config import EngineConfig
 from actors.engine.shares import TenantShares
+from actors.node_roles import NodeRoles, Role
 from transfer.codec import Compression
 from transfer.codec_choice import Fidelity, LossyCodecForExactTenant, allowed_codecs
 from transfer.config import TransferConfig
@@ -150,6 +151,7 @@ class WorkerResources:
     num_gpus: float = 0.0
     share_cores: bool = False
     lend_cores: bool = False  # with share_cores: decode engines yield to a node's prefill by SLO slack
+    roles: NodeRoles = field(default_factory=NodeRoles)  # which nodes each worker role may run on
 
     def __post_init__(self) -> None:
         if self.num_cpus < 0:
@@ -161,9 +163,12 @@ class WorkerResources:
     def device(self) -> str:
         return "cuda" if self.num_gpus > 0 else "cpu"
 
-    def actor_options(self) -> dict[str, Any]:
-        """Keyword arguments of `RemoteX.options(...)` for one worker actor."""
+    def actor_options(self, role: Role | None = None) -> dict[str, Any]:
+        """Keyword arguments of `RemoteX.options(...)` for one worker actor; with `role`, kept on the
+        nodes of that role (`roles`)."""
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if role is not None:
+            options.update(self.roles.options(role))
         if self.share_cores:  # and, with lend_cores, lend them to each other by SLO slack (core_share.py)
             lend = {CORE_SHARE_ENV: default_core_share_path()} if self.lend_cores else {}
             options["runtime_env"] = {"env_vars": {**SHARED_CORES_ENV, **lend}}

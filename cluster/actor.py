@@ -24,9 +24,12 @@ SchedulerActor = ray.remote(num_cpus=SCHEDULER_NUM_CPUS, max_restarts=-1, max_ta
 
 
 def start_scheduler(cfg: SchedulerConfig, *, name: str = DEFAULT_NAME, namespace: str | None = None,
-                    poll_interval_s: float = 0.2, timeout_s: float = 60.0) -> ActorHandle:
+                    poll_interval_s: float = 0.2, timeout_s: float = 60.0,
+                    resources: dict[str, float] | None = None) -> ActorHandle:
     """Starts the named scheduler actor (or returns the running one of that name) and waits
-    until it answers."""
-    handle = SchedulerActor.options(name=name, namespace=namespace, get_if_exists=True).remote(cfg, poll_interval_s)
+    until it answers. `resources`: custom resources it asks for, which keep it on the head's
+    nodes (actors/node_roles.py)."""
+    handle = SchedulerActor.options(name=name, namespace=namespace, get_if_exists=True,
+                                    resources=resources or {}).remote(cfg, poll_interval_s)
     ray.get(handle.ping.remote(), timeout=timeout_s)
     return handle

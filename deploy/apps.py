@@ -49,6 +49,7 @@ from deploy.moe import RayRoutingAdmin, RoutingView, expert_load_exporter
 from deploy.openai import build_api
 from deploy.openai.admin import mount_admin
 from deploy.openai.drain import DrainState
+from deploy.placement import check_ray_placement
 from deploy.pool_source import PoolSource
 from deploy.scheduler_config import SchedulerSection
 from deploy.scaler import ReplicaScaler
@@ -73,7 +74,10 @@ def default_torch_threads(cfg: AppConfig) -> int:
     return cpus if cfg.engine.cpu_cores == "shared" else max(1, cpus // cfg.num_engines)
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256,
+INGRESS_ACTOR_OPTIONS = {"num_cpus": 0.1}
+
+
+@serve.deployment(num_replicas=1, ray_actor_options=INGRESS_ACTOR_OPTIONS, max_ongoing_requests=256,
                   health_check_timeout_s=60)
 @serve.ingress()
 class FerryIngress:
@@ -92,10 +96,12 @@ class FerryIngress:
         self._worker_handles: dict[str, Any] = {}
         self.semantic: SemanticGlue | None = None
         cfg = self.cfg
+        roles = cfg.placement.node_roles()
         log_to_worker_output("cluster")  # the router's and the scheduler link's warnings
         log_to_worker_output("deploy")  # the scaler's changes
         if cfg.loopback_only:
             bind_replica_grpc_to_loopback()
+        check_ray_placement(roles)  # no node can ever host a role: a clear error, not a hang
         if cfg.api.semantic_cache is not None:
             self.semantic = self._start_semantic(cfg.api.semantic_cache)
         path = resolve_model(cfg.model)  # fetched once here, so workers find it cached
@@ -111,7 +117,8 @@ class FerryIngress:
         if cfg.mode == "disaggregated" and self.scheduler_cfg.enabled:
             sched = self.scheduler_cfg.to_scheduler_config(cfg.engine.max_num_seqs)
             name = self.scheduler_cfg.actor_name
-            self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name),
+            head = roles.resources("head")
+            self._scheduler = _fresh_actor(name, lambda: start_scheduler(sched, name=name, resources=head),
                                            lambda old: ray.kill(old, no_restart=True))
             self._link = SchedulerLink(self._scheduler, self.scheduler_cfg.to_link_config(cfg.engine.block_size), sched)
         if workers is not None:
@@ -151,7 +158,8 @@ class FerryIngress:
         starting the prefix-cache stores their replicas wait for."""
         cache = self.cfg.to_cache_config(self.scheduler_cfg.kv_shares())
         if cache is not None and self.cfg.mode == "disaggregated":
-            stores = start_store_actors(cache, self.cfg.prefix_cache.num_stores, id_prefix=STORE_PREFIX)
+            stores = start_store_actors(cache, self.cfg.prefix_cache.num_stores, id_prefix=STORE_PREFIX,
+                                        roles=self.cfg.placement.node_roles())
             self._stores = [s.actor for s in stores.values()]
             self._store_handles = dict(stores)
         found = ServeWorkers(workers["decode"], workers.get("prefill"))
@@ -277,10 +285,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         problems = "; ".join(f"scheduler.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"config: {problems}") from None
     cfg = load_config(args)
+    roles = cfg.placement.node_roles()
+    if ray.is_initialized():  # `serve run` and `ferry serve` connect first; the ingress checks again
+        check_ray_placement(roles)
     config, sched = cfg.model_dump(mode="json"), scheduler.model_dump(mode="json")
+    ingress = FerryIngress.options(ray_actor_options={**INGRESS_ACTOR_OPTIONS, **roles.options("head")})
     if cfg.workers_as == "actors":
-        return FerryIngress.bind(config, sched)
-    return FerryIngress.bind(config, sched, worker_apps(cfg, scheduler))
+        return ingress.bind(config, sched)
+    return ingress.bind(config, sched, worker_apps(cfg, scheduler))
 
 
 async def set_replicas(app: str, deployment: str, n: int) -> None:
@@ -296,11 +308,12 @@ def worker_apps(cfg: AppConfig, scheduler: SchedulerSection | None = None) -> di
     resources = cfg.worker_resources(cluster_gpus() if ray.is_initialized() else 0.0)
     worker_cfg = cfg.to_worker_config(resources, (scheduler or SchedulerSection()).worker_policies())
     threads = cfg.engine.torch_threads or default_torch_threads(cfg)
-    options = resources.actor_options()
     store_ids = ([f"{STORE_PREFIX}-{i}" for i in range(cfg.prefix_cache.num_stores)]
                  if cfg.to_cache_config() is not None and cfg.mode == "disaggregated" else [])
     args = (worker_cfg, store_ids, threads, "ferry", cfg.loopback_only)
+    decode_options = resources.actor_options("decode")
     if cfg.mode == "colocated":
-        return {"decode": worker_deployment(ColocatedReplica, "colocated", cfg.num_decode, options).bind(*args)}
-    return {"decode": worker_deployment(DecodeReplica, "decode", cfg.num_decode, options).bind(*args),
-            "prefill": worker_deployment(PrefillReplica, "prefill", cfg.num_prefill, options).bind(*args)}
+        return {"decode": worker_deployment(ColocatedReplica, "colocated", cfg.num_decode, decode_options).bind(*args)}
+    return {"decode": worker_deployment(DecodeReplica, "decode", cfg.num_decode, decode_options).bind(*args),
+            "prefill": worker_deployment(PrefillReplica, "prefill", cfg.num_prefill,
+                                         resources.actor_options("prefill")).bind(*args)}

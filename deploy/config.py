@@ -13,6 +13,7 @@ the engine's). The KV pool is planned from the memory left after the weights and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.paging import PagingPolicy
 from actors.engine.spec import SpecConfig
 from actors.engine.shares import TenantShares
+from actors.node_roles import NodeRoles
 from actors.prefix_cache.store import PrefixCacheConfig
 from actors.worker_config import WorkerConfig, WorkerPolicies, WorkerResources, plan_worker_resources
 from cluster.router.config import RouterConfig
@@ -168,6 +170,24 @@ class PrefixCacheSection(ConfigSection):
                                               "and chain depth, admitted by it; lru: plain recency (the baseline)")
 
 
+class PlacementSection(ConfigSection):
+    """Which node type hosts each role, as a Ray custom resource its nodes declare (actors/node_roles.py;
+    README: Many nodes). Unset: anywhere Ray has room (one node, or any of them)."""
+
+    head: str | None = Field(None, description="ingress and scheduler, e.g. ferry_head")
+    prefill: str | None = Field(None, description="prefill workers, e.g. ferry_prefill")
+    decode: str | None = Field(None, description="decode (or colocated) workers, e.g. ferry_decode")
+    cache: str | None = Field(None, description="prefix-cache store actors, e.g. ferry_cache")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlacementSection":
+        self.node_roles()  # names that are not custom resources are errors here
+        return self
+
+    def node_roles(self) -> NodeRoles:
+        return NodeRoles(head=self.head, prefill=self.prefill, decode=self.decode, cache=self.cache)
+
+
 class AppConfig(ConfigSection):
     model: str = Field("smollm2", description="known name, .gguf file or HF folder")
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -177,6 +197,7 @@ class AppConfig(ConfigSection):
     transfer: TransferSection = TransferSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     api: ApiConfig = ApiConfig(auth_required=False)
+    placement: PlacementSection = PlacementSection()
     request_timeout_s: float = Field(120.0, gt=0, description="longest a request may wait between tokens")
     room_wait_s: float = Field(30.0, ge=0, description="a new request that finds every decode row taken waits this "
                                                        "long for one (interactive first), then gets 429; 0: 429 at once")
@@ -211,10 +232,11 @@ class AppConfig(ConfigSection):
 
     def worker_resources(self, cluster_gpus: float) -> WorkerResources:
         """What each worker asks Ray for on a cluster with `cluster_gpus` GPUs now."""
-        return plan_worker_resources(self.engine.device, self.num_engines, cluster_gpus,
-                                     num_gpus_per_worker=self.engine.num_gpus_per_worker,
-                                     share_cores=self.engine.cpu_cores == "shared",
-                                     lend_cores=self.engine.lend_cores)
+        planned = plan_worker_resources(self.engine.device, self.num_engines, cluster_gpus,
+                                        num_gpus_per_worker=self.engine.num_gpus_per_worker,
+                                        share_cores=self.engine.cpu_cores == "shared",
+                                        lend_cores=self.engine.lend_cores)
+        return replace(planned, roles=self.placement.node_roles())
 
     def to_engine_config(self, resources: WorkerResources | None = None,
                          tenant_kv_shares: TenantShares | None = None) -> EngineConfig:

@@ -35,8 +35,16 @@ def ray_cluster() -> Iterator[ModuleType]:
     if ray.is_initialized():
         yield ray
         return
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray()
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def start_local_ray() -> None:
+    """The session's local cluster: also what a test that needs a cluster of its own (several
+    nodes) starts again when it is done, for the tests after it."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

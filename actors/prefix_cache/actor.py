@@ -17,6 +17,7 @@ from __future__ import annotations
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from actors.node_roles import NodeRoles
 from actors.prefix_cache.handles import PendingCall, StoreMethod, StoreTimeout, StoreUnavailable
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
@@ -49,14 +50,16 @@ class RayStoreHandle:
 
 
 def start_store_actors(
-    cfg: PrefixCacheConfig, num_stores: int, id_prefix: str = "prefix-cache"
+    cfg: PrefixCacheConfig, num_stores: int, id_prefix: str = "prefix-cache", roles: NodeRoles = NodeRoles()
 ) -> dict[StoreId, RayStoreHandle]:
-    """Starts `num_stores` store actors named `<id_prefix>-<i>`; the id also names each one's
-    disk folder, so two pools in one FERRY_HOME need different prefixes."""
+    """Starts `num_stores` store actors named `<id_prefix>-<i>` (on the nodes of the `cache` role,
+    where `roles` names one); the id also names each one's disk folder, so two pools in one
+    FERRY_HOME need different prefixes."""
     handles = {}
     for i in range(num_stores):
         store_id = StoreId(f"{id_prefix}-{i}")
-        actor = PrefixCacheActor.options(name=store_id).remote(cfg, store_id)  # type: ignore[attr-defined]
+        actor = PrefixCacheActor.options(  # type: ignore[attr-defined]
+            name=store_id, **roles.options("cache")).remote(cfg, store_id)
         handles[store_id] = RayStoreHandle(actor)
     return handles
 

@@ -27,14 +27,16 @@ def wait_until_healthy(url: str, timeout_s: float = 300.0) -> None:
 
 
 @contextmanager
-def served_app(name: str, port: int, cfg: dict[str, Any], **run_options: Any) -> Iterator[str]:
+def served_app(name: str, port: int, cfg: dict[str, Any], proxy_location: str = "EveryNode",
+               **run_options: Any) -> Iterator[str]:
     """`deploy.apps.build_app(cfg)` served on 127.0.0.1:`port` as app `name`, healthy; its base URL.
-    Deleted, and Serve shut down, on exit."""
+    Deleted, and Serve shut down, on exit. Several nodes on one machine need `proxy_location`
+    HeadOnly: every node's proxy would bind the same loopback port."""
     from ray import serve
 
     from deploy.apps import build_app
 
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False, **run_options)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,58 @@
+"""Which Ray nodes host which part of the app: node roles as Ray custom resources.
+
+Mental model: a node type declares a custom resource for each role it may host (in `ray up`'s
+`available_node_types.<type>.resources`, or `ray start --resources`), e.g. `{"ferry_decode": 1}`;
+`placement:` in the app config names the resource of each role, and every actor of that role asks
+Ray for `ROLE_SHARE` of it, so Ray (and the autoscaler, which reads pending demands) can only put it
+on a node of a type that declares it. Four roles: `head` (ingress, scheduler, semantic cache,
+MoE routing control), `prefill`, `decode` (colocated workers too) and `cache` (the prefix-cache
+stores). A role left unset runs wherever Ray has room: the single-node default. A mixed node type
+declares several resources. Torch-free: the ingress and the scheduler import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Role = Literal["head", "prefill", "decode", "cache"]
+ROLES: tuple[Role, ...] = ("head", "prefill", "decode", "cache")
+# What one actor takes of its role's resource: a node declaring 1 hosts up to 1,000 actors of that
+# role (the resource marks where they may go; CPUs and GPUs decide how many fit).
+ROLE_SHARE = 0.001
+RESERVED = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+@dataclass(frozen=True)
+class NodeRoles:
+    """The custom resource that marks the nodes of each role; None: any node."""
+
+    head: str | None = None
+    prefill: str | None = None
+    decode: str | None = None
+    cache: str | None = None
+
+    def __post_init__(self) -> None:
+        for role, name in self.assigned().items():
+            if not name or name in RESERVED or name.startswith("node:"):
+                raise ValueError(f"placement.{role}: {name!r} is not a custom resource name "
+                                 f"(not empty, not one of {sorted(RESERVED)}, not node:<ip>)")
+
+    def assigned(self) -> dict[Role, str]:
+        """The roles pinned to a node type, with their resource."""
+        return {role: name for role in ROLES if (name := getattr(self, role)) is not None}
+
+    def resources(self, role: Role) -> dict[str, float]:
+        """The `resources=` entry of an actor of `role` ({} when the role runs anywhere)."""
+        name = getattr(self, role)
+        return {} if name is None else {name: ROLE_SHARE}
+
+    def options(self, role: Role) -> dict[str, Any]:
+        """Keyword arguments of `.options(...)` that keep an actor of `role` on its nodes."""
+        resources = self.resources(role)
+        return {"resources": resources} if resources else {}
+
+
+def worker_role(kind: str) -> Role:
+    """The role of a worker of `kind` (prefill, decode, colocated)."""
+    return "prefill" if kind == "prefill" else "decode"
