@@ -1,11 +1,17 @@
-"""Small helpers every bench shares: progress lines, tables, JSON output, memory bandwidth, peak RSS.
+"""The harness every bench shares: its command line, its run, and how it prints its figures.
 
-Benches print a human table by default and the very same figures as JSON with `--json`, so a
-script can diff runs. Progress goes to stderr so that stdout stays parseable either way.
+Mental model: a bench is `bench(args) -> figures` (plain or async) and `render(figures) -> str`.
+`bench_parser` gives its command line `--json` and whichever shared flags it names (the same names
+and meanings everywhere); `run` times it (optionally on a fresh local Ray cluster), adds `wall_s`,
+and prints the readable table or, with `--json`, the very same figures as JSON, so a script can
+diff runs. Progress goes to stderr so that stdout stays parseable either way.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import inspect
 import json
 import resource
 import statistics
@@ -17,22 +23,64 @@ from typing import Any
 
 import torch
 
-MIB = 1 << 20
+from transfer.units import MIB
+
+Figures = dict[str, Any]
+
+# The flags several benches share, each with one meaning; a bench names the ones it takes, with its default.
+SHARED_FLAGS: dict[str, dict[str, Any]] = {
+    "model": {"help": "a model name (smollm2), GGUF file or HF folder"},
+    "dtype": {"help": "engine dtype; auto: bfloat16 on CUDA and bf16-capable CPUs, else float32"},
+    "device": {"help": "auto (cuda when torch sees one), cpu, cuda or cuda:N"},
+    "threads": {"type": int, "help": "torch threads"},
+}
+
+
+def bench_parser(doc: str | None, **shared: Any) -> argparse.ArgumentParser:
+    """A bench's command line: its docstring as the help, `--json`, and each flag of SHARED_FLAGS
+    named in `shared` (`model="smollm2"`, `threads=2`), with that default."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    for name, default in shared.items():
+        p.add_argument(f"--{name}", default=default, **SHARED_FLAGS[name])
+    return p
+
+
+def csv(kind: type) -> Callable[[str], list[Any]]:
+    """An argparse type: a comma-separated list of `kind`."""
+    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+
+
+def run(bench: Callable[[Any], Figures | Awaitable[Figures]], args: argparse.Namespace,
+        render: Callable[[Figures], str], local_ray: bool = False) -> Figures:
+    """Runs `bench(args)` (a coroutine function too) under `args.threads` torch threads where the
+    bench has that flag, on a fresh local Ray cluster (2 CPUs, loopback, no dashboard) with
+    `local_ray`; adds the wall time as `wall_s`, prints the figures (`report`) and returns them."""
+    t0 = time.perf_counter()
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if local_ray:
+        import ray
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        figures = bench(args)
+        if inspect.isawaitable(figures):
+            figures = asyncio.run(figures)  # type: ignore[arg-type]
+    finally:
+        if local_ray:
+            ray.shutdown()
+    figures["wall_s"] = time.perf_counter() - t0
+    report(figures, args.json, render)
+    return figures
+
+
+def run_on_local_ray(bench: Callable[[Any], Awaitable[Figures]], args: Any, render: Callable[[Figures], str]) -> None:
+    run(bench, args, render, local_ray=True)
 
 
 def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """(wall seconds, result) of one call."""
-    t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
 
 
 def gb_per_s(size: int, once: Callable[[], None]) -> float:
@@ -82,13 +130,9 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def print_json(figures: dict[str, Any]) -> None:
-    print(json.dumps(figures, indent=2, sort_keys=False))
-
-
 def report(figures: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
     """A benchmark's figures: as JSON (`--json`), or as its readable table."""
-    print_json(figures) if as_json else print(render(figures))
+    print(json.dumps(figures, indent=2, default=str) if as_json else render(figures))
 
 
 def memcpy_bandwidth_bytes_per_s(size_bytes: int = 512 * MIB, repeats: int = 5) -> float:
@@ -126,21 +170,3 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024
-
-
-def run_on_local_ray(bench: Callable[[Any], Awaitable[dict[str, Any]]], args: Any,
-                     render: Callable[[dict[str, Any]], str]) -> None:
-    """Runs `bench(args)` on a fresh local Ray cluster (2 CPUs, loopback, no dashboard), adds the
-    wall time as `wall_s`, and prints the figures as a table (`render`) or, with `args.json`, JSON."""
-    import asyncio
-
-    import ray
-
-    t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        figures = asyncio.run(bench(args))
-    finally:
-        ray.shutdown()
-    figures["wall_s"] = time.perf_counter() - t0
-    report(figures, args.json, render)

@@ -35,9 +35,9 @@ import argparse
 import gc
 import os
 import random
+import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +53,7 @@ import torch
 from actors.engine.config import parse_dtype
 from actors.engine.device import DeviceUnavailable, resolve_device
 from actors.engine.fetch import resolve_model
-from bench.common import (
-    format_table,
-    median,
-    memcpy_bandwidth_bytes_per_s,
-    peak_rss_bytes,
-    progress,
-    report,
-)
+from bench.common import bench_parser, csv, format_table, memcpy_bandwidth_bytes_per_s, peak_rss_bytes, progress, run
 from bench.engine_runners import DECODE_PROMPT_TOKENS, PREFILL_TOKENS, FerryRunner, TransformersRunner
 
 MODEL = "smollm2"
@@ -147,7 +140,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
         "weight_bytes_per_decode_step": weight_bytes,
         "decode_bound_tok_s": bound_tok_s,
         "ferry": {
-            "prefill_tok_s": median(ferry_prefill),
+            "prefill_tok_s": statistics.median(ferry_prefill),
             "prefill_runs_tok_s": ferry_prefill,
             "decode": ferry_decode,
             "prefix_hit_tokens": ferry.engine.stats().num_prefix_hit_tokens,  # 0: prompts are fresh
@@ -179,12 +172,12 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
         }
     if hf is not None:
         result["transformers"] = {
-            "prefill_tok_s": median(hf_prefill),
+            "prefill_tok_s": statistics.median(hf_prefill),
             "prefill_runs_tok_s": hf_prefill,
             "decode": hf_decode,
         }
         result["ratio"] = {
-            "prefill": median(ferry_prefill) / median(hf_prefill),
+            "prefill": statistics.median(ferry_prefill) / statistics.median(hf_prefill),
             # a window too short to time (a few tokens on a loaded box) has no ratio
             "decode": {b: ferry_decode[b]["tok_s"] / hf_decode[b]["tok_s"] if hf_decode[b]["tok_s"] > 0 else None
                        for b in ferry_decode},
@@ -250,58 +243,26 @@ def render(figures: dict[str, Any]) -> str:
     return "\n\n".join([main, bound, footer])
 
 
-def _csv(kind: type) -> Any:
-    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
-
-
-def _resolve_bench_device(name: str) -> torch.device:
+def bench_device(name: str) -> torch.device:
     try:
         return resolve_device(name)
     except DeviceUnavailable as e:
         raise SystemExit(f"--device {name}: {e}") from None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto (cuda when torch sees one), cpu, cuda or cuda:N")
-    parser.add_argument("--model", default=MODEL,
-                        help=f"a model name, GGUF file or HF folder; {RANDOM_SMOLLM2}: random weights of "
-                             "SmolLM2-135M's shapes written to a temporary folder")
-    parser.add_argument("--dtypes", type=_csv(str), default=None,
-                        help="default float32,bfloat16 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--batch-sizes", type=_csv(int), default=None,
-                        help="default 1,8,32 on CPU, 1,32,256 on CUDA")
-    parser.add_argument("--gen-tokens", type=int, default=64)
-    parser.add_argument("--prefill-runs", type=int, default=3)
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--skip-eager", action="store_true", help="CUDA: no enforce_eager B=1 run")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads for both engines (default: all CPUs)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
-    args = parser.parse_args()
-    if args.gen_tokens < 2:
-        parser.error("--gen-tokens must be at least 2 (the decode window starts after the first token)")
-    device = args.torch_device = _resolve_bench_device(args.device)
-    on_cuda = device.type == "cuda"
-    if args.dtypes is None:
-        args.dtypes = ["bfloat16"] if on_cuda else ["float32", "bfloat16"]
-    if args.batch_sizes is None:
-        args.batch_sizes = [1, 32, 256] if on_cuda else [1, 8, 32]
-    for dtype in args.dtypes:
-        parse_dtype(dtype)
+def load_model(name: str, tmp: str, seed: int = 0) -> tuple[Path, str]:
+    """(the model's path, its label in titles): `RANDOM_SMOLLM2` is written to `tmp` first."""
+    if name == RANDOM_SMOLLM2:
+        progress("writing random weights of SmolLM2-135M's shapes")
+        return write_random_smollm2(Path(tmp) / RANDOM_SMOLLM2, seed=seed), "random weights, SmolLM2-135M shapes"
+    return resolve_model(name), "SmolLM2-135M-Instruct" if name == MODEL else str(name)
 
-    t_start = time.perf_counter()
-    threads = args.threads
-    torch.set_num_threads(threads)  # both engines run under the same setting
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.torch_device
+    on_cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
-        if args.model == RANDOM_SMOLLM2:
-            progress("writing random weights of SmolLM2-135M's shapes")
-            args.model_path = write_random_smollm2(Path(tmp) / RANDOM_SMOLLM2, seed=args.seed)
-            label = "random weights, SmolLM2-135M shapes"
-        else:
-            args.model_path = resolve_model(args.model)
-            label = "SmolLM2-135M-Instruct" if args.model == MODEL else str(args.model)
+        args.model_path, label = load_model(args.model, tmp, args.seed)
         figures: dict[str, Any] = {"model": args.model, "model_label": label}
         if on_cuda:
             figures["device"] = torch.cuda.get_device_name(device)
@@ -311,11 +272,11 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(device)
         else:
             figures["device"] = "cpu"
-            progress(f"torch threads {threads}; measuring memcpy bandwidth (512 MiB, best of 5)")
+            progress(f"torch threads {args.threads}; measuring memcpy bandwidth (512 MiB, best of 5)")
             bandwidth = memcpy_bandwidth_bytes_per_s()
             figures["memcpy_bytes_per_s"] = bandwidth
         rng = random.Random(args.seed)
-        figures["config"] = {"torch_threads": threads, "batch_sizes": args.batch_sizes,
+        figures["config"] = {"torch_threads": args.threads, "batch_sizes": args.batch_sizes,
                              "gen_tokens": args.gen_tokens, "prefill_tokens": PREFILL_TOKENS,
                              "decode_prompt_tokens": DECODE_PROMPT_TOKENS, "prefill_runs": args.prefill_runs,
                              "skip_transformers": args.skip_transformers}
@@ -323,8 +284,33 @@ def main() -> None:
     figures["peak_rss_bytes"] = peak_rss_bytes()
     if on_cuda:
         figures["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-    figures["wall_s"] = time.perf_counter() - t_start
-    report(figures, args.json, render)
+    return figures
+
+
+def main() -> None:
+    # --threads: both engines run under the same setting
+    parser = bench_parser(__doc__, device="auto", model=MODEL, threads=os.cpu_count() or 1)
+    parser.add_argument("--dtypes", type=csv(str), default=None,
+                        help="default float32,bfloat16 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--batch-sizes", type=csv(int), default=None,
+                        help="default 1,8,32 on CPU, 1,32,256 on CUDA")
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--prefill-runs", type=int, default=3)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-eager", action="store_true", help="CUDA: no enforce_eager B=1 run")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.gen_tokens < 2:
+        parser.error("--gen-tokens must be at least 2 (the decode window starts after the first token)")
+    args.torch_device = bench_device(args.device)
+    on_cuda = args.torch_device.type == "cuda"
+    if args.dtypes is None:
+        args.dtypes = ["bfloat16"] if on_cuda else ["float32", "bfloat16"]
+    if args.batch_sizes is None:
+        args.batch_sizes = [1, 32, 256] if on_cuda else [1, 8, 32]
+    for dtype in args.dtypes:
+        parse_dtype(dtype)
+    run(bench, args, render)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,10 @@ timelines name for the prefill -> decode KV, and each differing prompt's first d
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench.common import format_table, progress
+from bench.common import bench_parser, format_table, progress, run
 
 TOPICS = [
     "the water cycle", "how a bicycle gear works", "why the sky is blue", "the French Revolution",
@@ -86,14 +84,7 @@ def reference(texts: list[str], max_tokens: int) -> list[list[int]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--prompts", type=int, default=24)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     texts = prompts(args.prompts)
     progress(f"fidelity: {len(texts)} prompts through {args.url}, all at once")
     with ThreadPoolExecutor(len(texts)) as pool:
@@ -111,18 +102,28 @@ def main() -> None:
     codecs: dict[str, int] = {}
     for r in rows:
         codecs[str(r["kv_codec"])] = codecs.get(str(r["kv_codec"]), 0) + 1
-    figures = {"prompts": len(rows), "tokens": args.tokens, "identical": sum(r["identical"] for r in rows),
-               "mean_shared_prefix": sum(r["shared_prefix"] for r in rows) / len(rows), "kv_codecs": codecs,
-               "rows": rows}
-    if args.json:
-        print(json.dumps(figures, indent=2))
-        return
-    print(format_table(["prompt", "identical", "shared prefix", "first diff at", "kv codec"],
-                       [[r["prompt"], r["identical"], f"{r['shared_prefix']:.0%}", r["first_diff_at"] or "-",
-                         r["kv_codec"] or "(local prefill)"] for r in rows],
-                       title=f"Served greedy vs transformers float32, {args.tokens} tokens"))
-    print(f"\n{figures['identical']}/{len(rows)} identical, mean shared prefix {figures['mean_shared_prefix']:.0%}, "
-          f"codecs {codecs}", file=sys.stdout)
+    return {"prompts": len(rows), "tokens": args.tokens, "identical": sum(r["identical"] for r in rows),
+            "mean_shared_prefix": sum(r["shared_prefix"] for r in rows) / len(rows), "kv_codecs": codecs,
+            "rows": rows}
+
+
+def render(f: dict[str, Any]) -> str:
+    rows = f["rows"]
+    table = format_table(["prompt", "identical", "shared prefix", "first diff at", "kv codec"],
+                         [[r["prompt"], r["identical"], f"{r['shared_prefix']:.0%}", r["first_diff_at"] or "-",
+                           r["kv_codec"] or "(local prefill)"] for r in rows],
+                         title=f"Served greedy vs transformers float32, {f['tokens']} tokens")
+    return (f"{table}\n\n{f['identical']}/{len(rows)} identical, mean shared prefix {f['mean_shared_prefix']:.0%}, "
+            f"codecs {f['kv_codecs']}")
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=64)
+    run(bench, ap.parse_args(), render)
 
 
 if __name__ == "__main__":

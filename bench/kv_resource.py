@@ -34,7 +34,7 @@ from actors.engine.engine import Engine  # noqa: E402
 from actors.engine.options import RequestOptions  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from actors.engine.shares import TenantShare, TenantShares  # noqa: E402
-from bench.common import format_table, progress, report  # noqa: E402
+from bench.common import bench_parser, format_table, progress, run  # noqa: E402
 from bench.sim.metrics import percentile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,15 +176,7 @@ def render(figures: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="shares,offload")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-quiet", type=int, default=6)
-    p.add_argument("--flood-per-quiet", type=int, default=2, help="flood prompts per quiet request")
-    p.add_argument("--num-chat", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     scenarios = args.scenarios.split(",")
     figures: dict[str, Any] = {}
     # Pools sized to hold a few real-length prompts, as a busy GPU's pool does for its batch.
@@ -196,7 +188,16 @@ def main() -> None:
         cfg = EngineConfig(dtype=args.dtype, num_blocks=160)
         text = corpus_tokens(Engine.from_pretrained("smollm2", replace(cfg, num_blocks=16)))
         figures["offload"] = offload_scenario(cfg, text, args.num_chat)
-    report(figures, args.json, render)
+    return figures
+
+
+def main() -> None:
+    p = bench_parser(__doc__, dtype="auto")
+    p.add_argument("--scenarios", default="shares,offload")
+    p.add_argument("--num-quiet", type=int, default=6)
+    p.add_argument("--flood-per-quiet", type=int, default=2, help="flood prompts per quiet request")
+    p.add_argument("--num-chat", type=int, default=3)
+    run(bench, p.parse_args(), render)
 
 
 if __name__ == "__main__":

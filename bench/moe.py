@@ -11,7 +11,7 @@ in real MoE traffic). float32 on CPU, one torch thread. Three parts:
   traffic before and after, its cut (ratio and excess over 1), and the greedy-token change: the
   share of positions whose teacher-forced argmax next token differs from the unbiased model's, the
   share of positions per layer whose expert set the table moved, and tokens changed per row moved.
-  Its model's head is first made as confident as a real model's (bench/moe_calibration.py:
+  Its model's head is first made as confident as a real model's (bench/moe_model.py:
   SmolLM2-135M's median top-1/top-2 z-margin on real text, `--calibrate-to`); both models' margins
   and bf16-vs-float32 change rates are printed.
 - swap: tables swapped from another thread every few ms while an engine serves; requests finished
@@ -49,10 +49,9 @@ from actors.engine.moe.routing import imbalance  # noqa: E402
 from actors.engine.moe.routing_table import RoutingTable  # noqa: E402
 from actors.engine.moe.sync import RoutingSync  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
-from bench.common import format_table, progress, report  # noqa: E402
-from bench.moe_calibration import calibrate_head, margin_stats, real_yardstick  # noqa: E402
-from bench.moe_model import (dtype_token_change, next_token_argmax, random_prompts, rows_moved,  # noqa: E402
-                             skewed_moe_engine, text_prompts)
+from bench.common import bench_parser, csv, format_table, progress, run  # noqa: E402
+from bench.moe_model import (calibrate_head, changed_share, dtype_token_change, margin_stats, next_token_argmax,  # noqa: E402
+                             random_prompts, real_yardstick, rows_moved, skewed_moe_engine, text_prompts)
 from cluster.moe.controller import ControllerConfig, RoutingController  # noqa: E402
 
 
@@ -68,10 +67,6 @@ def served_loads(engine: Any, control: MoEControl, prompts: list[list[int]], max
 
 def worst(loads: torch.Tensor) -> float:
     return max(imbalance(row) for row in loads.double())
-
-
-def changed_share(ref: list[torch.Tensor], new: list[torch.Tensor]) -> float:
-    return 1 - sum(int((a == b).sum()) for a, b in zip(ref, new)) / sum(len(a) for a in ref)
 
 
 # --------------------------------------------------------------------------------- controller
@@ -118,7 +113,7 @@ def controller_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def calibrate(engine: Any, control: MoEControl, make: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The random MoE's head made as confident as the real model's (bench/moe_calibration.py):
+    """The random MoE's head made as confident as the real model's (bench/moe_model.py):
     the real model's figures, the raw random model's, and the strength that matches them."""
     fit = make(32, args.prompt_len + args.output_len, seed=55)  # not the sequences quality is scored on
     raw_logits = next_token_argmax(engine, control, fit, with_logits=True)
@@ -311,34 +306,7 @@ def render(f: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="controller,swap,budget")
-    p.add_argument("--strength", type=float, default=1.5, help="router skew (bench/moe_model.py)")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--step-size", type=float, default=0.5)
-    p.add_argument("--min-tokens", type=int, default=256)
-    p.add_argument("--quality-budgets", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.5])
-    p.add_argument("--calibrate-to", default="smollm2",
-                   help="the controller part's random MoE is made as confident (median z-margin) as: a real model "
-                        "(measured on real text), a number (that median z-margin), or none (raw random model)")
-    p.add_argument("--real-sequences", type=int, default=24)
-    p.add_argument("--real-length", type=int, default=64)
-    p.add_argument("--num-swaps", type=int, default=200)
-    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 4, 2])
-    p.add_argument("--budget-experts", type=int, default=16)
-    p.add_argument("--budget-hidden", type=int, default=384)
-    p.add_argument("--repeats", type=int, default=3, help="budget part: timed runs of each budget, in turns")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--prompts", choices=["text", "random"], default="text",
-                   help="text: slices of real English text; random: uniformly random token ids")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     parts = args.parts.split(",")
     figures: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -349,7 +317,33 @@ def main(argv: list[str] | None = None) -> int:
             figures["swap"] = swap_part(root, args)
         if "budget" in parts:
             figures["budget"] = budget_part(root, args)
-    report(figures, args.json, render)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser(__doc__, threads=1)
+    p.add_argument("--parts", default="controller,swap,budget")
+    p.add_argument("--strength", type=float, default=1.5, help="router skew (bench/moe_model.py)")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--step-size", type=float, default=0.5)
+    p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--quality-budgets", type=csv(float), default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.5])
+    p.add_argument("--calibrate-to", default="smollm2",
+                   help="the controller part's random MoE is made as confident (median z-margin) as: a real model "
+                        "(measured on real text), a number (that median z-margin), or none (raw random model)")
+    p.add_argument("--real-sequences", type=int, default=24)
+    p.add_argument("--real-length", type=int, default=64)
+    p.add_argument("--num-swaps", type=int, default=200)
+    p.add_argument("--budgets", type=csv(int), default=[8, 4, 2])
+    p.add_argument("--budget-experts", type=int, default=16)
+    p.add_argument("--budget-hidden", type=int, default=384)
+    p.add_argument("--repeats", type=int, default=3, help="budget part: timed runs of each budget, in turns")
+    p.add_argument("--prompts", choices=["text", "random"], default="text",
+                   help="text: slices of real English text; random: uniformly random token ids")
+    run(bench, p.parse_args(argv), render)
     return 0
 
 

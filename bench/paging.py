@@ -48,7 +48,7 @@ from actors.engine.paging import PagingPolicy  # noqa: E402
 from actors.engine.request import Request, RequestStatus  # noqa: E402
 from actors.engine.sampling import SamplingParams, SamplingState  # noqa: E402
 from actors.engine.scheduler import Scheduler  # noqa: E402
-from bench.common import format_table, progress, report  # noqa: E402
+from bench.common import bench_parser, format_table, progress, run  # noqa: E402
 from bench.sim.traces import TraceRequest, load_azure_conv  # noqa: E402
 from kernels.cpu_native import library, paged_decode_attention_native  # noqa: E402
 
@@ -271,8 +271,22 @@ def render(f: dict[str, Any]) -> str:
     return format_table(headers, rows, title) + note
 
 
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    trace = load_azure_conv(limit=args.requests)
+    chosen = policies(args.long_tokens, args.run_blocks)
+    results = []
+    for name in args.policies.split(","):
+        progress(f"simulating {name}")
+        t0 = time.perf_counter()
+        results.append(simulate(name, chosen[name], make_requests(trace, args.block_size), args))
+        progress(f"{name}: {results[-1].steps} steps in {time.perf_counter() - t0:.1f} s")
+    progress("timing decode attention")
+    attention = attention_figures(results, args.kv_tokens // args.block_size, args.block_size, args.reps)
+    return figures(results, attention, args, trace)
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--requests", type=int, default=1500)
     p.add_argument("--kv-tokens", type=int, default=131072)
     p.add_argument("--block-size", type=int, default=16)
@@ -284,22 +298,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--policies", default="lazy,aware-soft,aware-hard,reserve-max")
     p.add_argument("--no-prefix-caching", action="store_true", help="freed blocks keep no prefix (all empty)")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    trace = load_azure_conv(limit=args.requests)
-    chosen = policies(args.long_tokens, args.run_blocks)
-    names = args.policies.split(",")
-    if names[0] != "lazy":
-        raise SystemExit("the first policy must be lazy: the others are reported against it")
-    results = []
-    for name in names:
-        progress(f"simulating {name}")
-        t0 = time.perf_counter()
-        results.append(simulate(name, chosen[name], make_requests(trace, args.block_size), args))
-        progress(f"{name}: {results[-1].steps} steps in {time.perf_counter() - t0:.1f} s")
-    progress("timing decode attention")
-    attention = attention_figures(results, args.kv_tokens // args.block_size, args.block_size, args.reps)
-    report(figures(results, attention, args, trace), args.json, render)
+    if not args.policies.startswith("lazy"):
+        p.error("the first policy must be lazy: the others are reported against it")
+    run(bench, args, render)
 
 
 if __name__ == "__main__":

@@ -55,11 +55,12 @@ from actors.prefix_cache.handles import LocalStoreHandle
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.stats import PrefixCacheStats
-from actors.prefix_cache.config import MiB, PrefixCacheConfig
+from actors.prefix_cache.config import PrefixCacheConfig
 from actors.prefix_cache.store import PrefixCacheStore
-from bench.common import format_table, progress, report
+from bench.common import bench_parser, format_table, progress, run
 from bench.shadow import doc_tokens, windows
 from transfer.codec import KVLayout, encode
+from transfer.units import MIB
 
 BLOCK = 16
 SUFFIX = 32  # new tokens after the cached prefix
@@ -228,7 +229,7 @@ def tenants(args: argparse.Namespace, tmp: str, block_bytes: int) -> dict[str, A
     }
     out: dict[str, Any] = {}
     for policy, kw in policies.items():
-        cfg = PrefixCacheConfig(dram_bytes=args.dram_mib * MiB, disk_bytes=args.disk_mib * MiB, disk_dir=tmp,
+        cfg = PrefixCacheConfig(dram_bytes=args.dram_mib * MIB, disk_bytes=args.disk_mib * MIB, disk_dir=tmp,
                                 **kw)  # type: ignore[arg-type]
         solo, _ = tenants_run(cfg, args, payload, False, f"{policy.replace('+', '-')}-solo")
         flooded, stats = tenants_run(cfg, args, payload, True, f"{policy.replace('+', '-')}-flood")
@@ -241,16 +242,15 @@ def tenants(args: argparse.Namespace, tmp: str, block_bytes: int) -> dict[str, A
 def tier_figures(s: dict[str, int]) -> dict[str, float]:
     st = PrefixCacheStats.from_dict(s)
     return {"dram_hit_rate": st.dram_hit_rate, "disk_hit_rate": st.disk_hit_rate,
-            "mib_put_dram": st.bytes_put_dram / MiB, "mib_put_disk": st.bytes_put_disk / MiB,
-            "mib_spilled": st.bytes_spilled / MiB, "mib_promoted": st.bytes_promoted / MiB,
-            "mib_served_dram": st.bytes_served_dram / MiB, "mib_served_disk": st.bytes_served_disk / MiB,
+            "mib_put_dram": st.bytes_put_dram / MIB, "mib_put_disk": st.bytes_put_disk / MIB,
+            "mib_spilled": st.bytes_spilled / MIB, "mib_promoted": st.bytes_promoted / MIB,
+            "mib_served_dram": st.bytes_served_dram / MIB, "mib_served_disk": st.bytes_served_disk / MIB,
             "dram_refused": st.num_dram_refused, "disk_refused": st.num_disk_refused,
             "refused_at_max": st.num_dram_refused_at_max + st.num_disk_refused_at_max,
             "prefetched": st.num_prefetched, "prefetch_accuracy": st.prefetch_accuracy}
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
     block_bytes = block_payload_bytes(model)
     out: dict[str, Any] = {"model": args.model, "block_bytes": block_bytes, "per_tier": {},
@@ -289,8 +289,7 @@ def render(f: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap = bench_parser(__doc__, model="smollm2", threads=2)
     ap.add_argument("--parts", default="tiers,tenants", help="comma-separated: tiers (a), tenants (b)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
@@ -300,11 +299,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--dram-mib", type=int, default=64)
     ap.add_argument("--disk-mib", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tmp", default=None, help="folder for the disk tiers (default: the system's temp folder)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    report(asyncio.run(bench(args)), args.json, render)
+    run(bench, ap.parse_args(), render)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from actors.engine.fetch import cached_model_path
 from actors.engine.tiny_model import write_tiny_model
 from actors.semantic_cache.embedder import shared_minilm
 from actors.semantic_cache.service import SemanticCacheService, ServiceConfig
-from bench.common import format_table, median, print_json, progress
+from bench.common import bench_parser, format_table, progress, run
 from deploy.openai import ApiConfig, EngineBackend, build_api
 from deploy.semantic import SemanticCacheSettings, SemanticGlue
 from tests.server_thread import ServerThread
@@ -99,19 +100,12 @@ def run_round(backend: EngineBackend, threshold: float, max_tokens: int) -> dict
     stats = worker.stats()
     return {"threshold": threshold, "hit_rate": sum(labelled["paraphrase"]) / len(TRIPLES),
             "false_hit_rate": sum(labelled["unrelated"]) / len(TRIPLES), "num_hits": len(hit_ms),
-            "num_misses": len(miss_ms), "p50_hit_ms": median(hit_ms) if hit_ms else None,
-            "p50_miss_ms": median(miss_ms) if miss_ms else None, "cache_size": stats.size,
+            "num_misses": len(miss_ms), "p50_hit_ms": statistics.median(hit_ms) if hit_ms else None,
+            "p50_miss_ms": statistics.median(miss_ms) if miss_ms else None, "cache_size": stats.size,
             "similarity_histogram": stats.similarity_histogram}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--thresholds", default="0.8,0.9", help="comma-separated cosine thresholds")
-    parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     progress("loading the engine and the embedding model")
     engine, name = _engine(args.tiny)
     async_engine = AsyncEngine(engine)
@@ -124,15 +118,24 @@ def main(argv: list[str] | None = None) -> None:
             rounds.append(run_round(backend, t, args.max_tokens))
     finally:
         async_engine.shutdown()
-    figures = {"model": name, "max_tokens": args.max_tokens, "num_pairs": len(TRIPLES), "rounds": rounds}
-    if args.json:
-        print_json(figures)
-        return
+    return {"model": name, "max_tokens": args.max_tokens, "num_pairs": len(TRIPLES), "rounds": rounds}
+
+
+def render(f: dict[str, Any]) -> str:
     rows = [[r["threshold"], f"{r['hit_rate']:.0%}", f"{r['false_hit_rate']:.0%}", r["num_hits"], r["num_misses"],
-             r["p50_hit_ms"], r["p50_miss_ms"]] for r in rounds]
-    print(format_table(["threshold", "hit rate", "false hits", "hits", "misses", "P50 hit ms", "P50 miss ms"],
-                       rows, title=f"semantic cache, {name}, {len(TRIPLES)} labelled triples, "
-                                   f"max_tokens {args.max_tokens}"))
+             r["p50_hit_ms"], r["p50_miss_ms"]] for r in f["rounds"]]
+    return format_table(["threshold", "hit rate", "false hits", "hits", "misses", "P50 hit ms", "P50 miss ms"],
+                        rows, title=f"semantic cache, {f['model']}, {f['num_pairs']} labelled triples, "
+                                    f"max_tokens {f['max_tokens']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--thresholds", default="0.8,0.9", help="comma-separated cosine thresholds")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2")
+    logging.basicConfig(level=logging.WARNING)
+    run(bench, parser.parse_args(argv), render)
 
 
 if __name__ == "__main__":

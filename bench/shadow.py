@@ -33,7 +33,6 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.path.insert(0, str(_here.parent))
 
-import torch
 
 from actors.decode import DecodeWorker
 from actors.engine.async_engine import AsyncEngine
@@ -48,9 +47,10 @@ from actors.prefix_cache.handles import LocalStoreHandle
 from actors.prefix_cache.pool import PrefixCachePool
 from actors.prefix_cache.ring import StoreId
 from actors.prefix_cache.store import PrefixCacheConfig, PrefixCacheStore
-from actors.worker_config import MIB, WorkerConfig
-from bench.common import format_table, progress, report
+from actors.worker_config import WorkerConfig
+from bench.common import bench_parser, format_table, progress, run
 from transfer.config import TransferConfig, make_transport
+from transfer.units import MIB
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "docs/architecture.md", "bench/RESULTS.md")
@@ -138,7 +138,6 @@ async def resume_run(w: Workers, prompt: list[int], params: SamplingParams, cut:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
     tok = Tokenizer.load(model)
     tokens = doc_tokens(tok)
@@ -204,24 +203,19 @@ def render(f: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser = bench_parser(__doc__, model="smollm2", dtype="bfloat16", threads=2)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--cut", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if min(args.rows, args.prompt_tokens, args.max_tokens, args.context, args.cut, args.repeats, args.threads) < 1:
         parser.error("every count must be >= 1")
-    t0 = time.perf_counter()
-    figures = asyncio.run(bench(args))
-    figures["wall_s"] = time.perf_counter() - t0
-    report(figures, args.json, render)
+    if args.dtype not in ("bfloat16", "float32"):
+        parser.error("--dtype: bfloat16 or float32")
+    run(bench, args, render)
 
 
 if __name__ == "__main__":

@@ -43,11 +43,10 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.fetch import resolve_model
 from actors.engine.sampling import SamplingParams
 from actors.engine.spec import SpecConfig
-from bench.common import format_table, peak_rss_bytes, progress, report
-from bench.engine import MODEL, RANDOM_SMOLLM2, _csv, _resolve_bench_device, write_random_smollm2
+from bench.common import bench_parser, csv, format_table, peak_rss_bytes, progress, run
+from bench.engine import MODEL, bench_device, load_model
 from bench.engine_runners import CPU_KV_CACHE_BYTES, synchronize
 from bench.sim.metrics import percentile
 from bench.spec_workloads import WORKLOADS, Prompt, TokenText, Workload, build_workloads
@@ -264,7 +263,15 @@ def targets(workloads: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-spec-") as tmp:
+        model, args.model_label = load_model(args.model, tmp)
+        figures = bench_model(args, model)
+    figures["peak_rss_bytes"] = peak_rss_bytes()
+    return figures
+
+
+def bench_model(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     engines: dict[str, Engine] = {}
     for method in [OFF, *args.methods]:
         progress(f"loading an engine with speculation {method} on {args.torch_device}")
@@ -345,14 +352,10 @@ def render(figures: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=MODEL, help=f"a model name, GGUF file or HF folder; {RANDOM_SMOLLM2}: random "
-                                                  "weights of SmolLM2-135M's shapes (its tokenizer is a tiny BPE)")
-    p.add_argument("--device", default="auto", help="auto (cuda when torch sees one), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32")
-    p.add_argument("--batches", type=_csv(int), default=[1, 4, 16])
-    p.add_argument("--methods", type=_csv(str), default=["ngram", "early_exit"])
-    p.add_argument("--workloads", type=_csv(str), default=list(WORKLOADS))
+    p = bench_parser(__doc__, model=MODEL, device="auto", dtype="auto", threads=os.cpu_count() or 1)
+    p.add_argument("--batches", type=csv(int), default=[1, 4, 16])
+    p.add_argument("--methods", type=csv(str), default=["ngram", "early_exit"])
+    p.add_argument("--workloads", type=csv(str), default=list(WORKLOADS))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-source-tokens", type=int, default=1300, help="clip each source text to this many tokens")
     p.add_argument("--max-draft-tokens", type=int, default=4)
@@ -362,32 +365,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=2, help="at least this many requests per batch size")
     p.add_argument("--repeats", type=int, default=2,
                    help="passes of every engine over each cell, taking turns (the first to go rotates)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK['max_tokens']} output tokens, sources of {QUICK['max_source_tokens']} "
                         f"tokens, {QUICK['min_requests']} request per batch size at least, one pass (unless given)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     if p.parse_args(argv).quick:  # its sizes become the defaults: flags given still win
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     if OFF in args.methods or not args.methods or min(args.batches, default=0) < 1 or args.max_tokens < 2 \
             or args.repeats < 1:
         p.error(f"--methods: speculation methods besides {OFF}; --batches and --repeats positive; --max-tokens >= 2")
-    args.torch_device = _resolve_bench_device(args.device)
-    torch.set_num_threads(args.threads)
+    args.torch_device = bench_device(args.device)
     args.t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ferry-bench-spec-") as tmp:
-        if args.model == RANDOM_SMOLLM2:
-            progress("writing random weights of SmolLM2-135M's shapes")
-            model = write_random_smollm2(Path(tmp) / RANDOM_SMOLLM2)
-            args.model_label = "random weights, SmolLM2-135M shapes"
-        else:
-            model = resolve_model(args.model)
-            args.model_label = "SmolLM2-135M-Instruct" if args.model == MODEL else str(args.model)
-        figures = bench(args, model)
-    figures["peak_rss_bytes"] = peak_rss_bytes()
-    figures["wall_s"] = time.perf_counter() - args.t_start
-    report(figures, args.json, render)
+    figures = run(bench, args, render)
     return 0 if figures["greedy_identical"] else 1
 
 

@@ -5,7 +5,10 @@ Throughput is a round trip, the same for every row: the sender starts with the b
 and stops the clock when the receiver says it has them in its own (preallocated) buffer. `memcpy` is
 one copy in one process; `shm` copies into a shared segment, signals over a pipe, and the receiver
 copies out and acks: the limits a transport between two processes on one machine works against.
-Quality (`bench/transfer_quality.py`): greedy tokens decoded from KV shipped through each codec,
+`--transport cuda_ipc` is the same-node table alone: a receiver process (spawned: no Ray, no NIXL,
+so it runs on the GPU check machine) owns a cuda_ipc arena on the device, the sender `send`s bytes
+already on its GPU, against one device-to-device copy of the same bytes in one process (with
+`--device cpu` both are host memory). Quality (`bench/transfer_quality.py`): greedy tokens decoded from KV shipped through each codec,
 against the uncompressed reference, with the 1-ulp floor beside them.
 """
 
@@ -28,10 +31,11 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import MIB, format_table, gb_per_s  # noqa: E402
+from bench.common import bench_parser, format_table, gb_per_s, run  # noqa: E402
 from bench.common import progress as log  # noqa: E402
 from bench.transfer_quality import quality  # noqa: E402
 from transfer.codec import Compression, KVLayout, decode_shard, encode  # noqa: E402
+from transfer.units import MIB  # noqa: E402
 # transfer.nixl imports the nixl package only inside NixlTransport and nixl_available: this file runs
 # where nixl (or Ray, imported in object_store) is missing.
 from transfer.nixl import NixlConfig, NixlTransport, nixl_available  # noqa: E402
@@ -164,6 +168,64 @@ def memcpy(sizes: list[int]) -> dict[int, float]:
     return {size: gb_per_s(size, lambda size=size: np.copyto(dst[:size], src[:size])) for size in sizes}
 
 
+def _ipc_receiver(device: str, max_size: int, conn: Any) -> None:
+    """Child process: a cuda_ipc endpoint whose arena is on `device`; takes each shard and acks."""
+    from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
+
+    t = CudaIpcTransport("bench-ipc-rx", CudaIpcConfig(recv_staging_bytes=max_size + MIB, device=device))
+    conn.send_bytes(t.metadata())
+    while conn.recv_bytes() == b"go":
+        with t.recv(60.0) as d:
+            assert len(d.data) > 0
+        conn.send_bytes(b"k")
+    t.close()
+
+
+def cuda_ipc_figures(sizes: list[int], device: str) -> dict[str, dict[int, float]]:
+    """cuda_ipc between two processes (spawned, no Ray, no NIXL) against one device-to-device copy
+    of the same bytes in one process. The clock runs from the sender's `send` of bytes already on
+    its GPU until the receiver holds the Delivery (bytes in its arena on its GPU) and says so.
+    With device "cpu" both rows are host memory (the shared-memory arena, and a memcpy)."""
+    from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
+
+    src = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    src = src.to(device)
+    dst = torch.ones_like(src)
+
+    def sync() -> None:
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+
+    def copy(size: int) -> None:
+        dst[:size].copy_(src[:size])
+        sync()
+
+    out = {"d2d copy (1 process)": {size: gb_per_s(size, lambda size=size: copy(size)) for size in sizes}}
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_receiver, args=(device, max(sizes), child_end), daemon=True)
+    proc.start()
+    tx = CudaIpcTransport("bench-ipc-tx", CudaIpcConfig(recv_staging_bytes=MIB, device=device))
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("the cuda_ipc receiver did not start within 120 s")
+        tx.add_peer(conn.recv_bytes())
+
+        def once(size: int) -> None:
+            conn.send_bytes(b"go")
+            tx.send("bench-ipc-rx", [src[:size]], timeout_s=60.0)
+            assert conn.poll(60) and conn.recv_bytes() == b"k"
+
+        out["cuda_ipc (2 processes)"] = {size: gb_per_s(size, lambda size=size: once(size)) for size in sizes}
+        conn.send_bytes(b"stop")
+    finally:
+        tx.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return out
+
+
 # ---------------------------------------------------------------------------------- codec
 def codec_figures(num_blocks: int) -> list[dict[str, Any]]:
     """SmolLM2's KV shape (30 layers, 3 KV heads, head_dim 64, 16-token blocks) in bf16."""
@@ -203,9 +265,90 @@ def write_quality(path: str, by_dtype: dict[str, list[dict[str, Any]]], args: ar
 
 
 # ---------------------------------------------------------------------------------- main
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
+    figures: dict[str, Any] = {"sizes_mib": [s // MIB for s in sizes]}
+    if args.transport == "cuda_ipc":
+        gbps = cuda_ipc_figures(sizes, args.device)
+        ipc, d2d = gbps["cuda_ipc (2 processes)"], gbps["d2d copy (1 process)"]
+        return {"device": args.device, **figures, "gbps": {k: _by_mib(row) for k, row in gbps.items()},
+                "cuda_ipc_vs_d2d": {str(s // MIB): ipc[s] / d2d[s] for s in sizes}}
+    parts = set(args.parts.split(","))
+    if "transport" in parts:
+        log("memcpy and shared-memory limits")
+        gbps = {"memcpy (1 process)": memcpy(sizes), "shm round trip": two_process("shm", sizes)}
+        if nixl_available():
+            log("nixl")
+            gbps["nixl"] = two_process("nixl", sizes)
+        if not args.no_ray:
+            log("ray object store (starting a local cluster)")
+            gbps["object_store"] = object_store(sizes)
+        gbps["local (1 process)"] = local(sizes)
+        figures["gbps"] = {k: _by_mib(row) for k, row in gbps.items()}
+        if "nixl" in gbps:
+            figures["nixl_vs_shm"] = {str(s // MIB): gbps["nixl"][s] / gbps["shm round trip"][s] for s in sizes}
+    if "codec" in parts:
+        log("codecs")  # the lossless one on real KV: --parts lossless
+        figures["codec"] = codec_figures(args.codec_blocks)
+    if "lossless" in parts:
+        from bench.transfer_lossless import lossless_figures
+
+        figures["lossless"] = lossless_figures(args.dtypes.split(","), [int(n) for n in args.lossless_tokens.split(",")])
+    if "quality" in parts and args.prompts > 0:
+        figures["quality"] = {}
+        figures["quality_prompt_tokens"] = args.prompt_tokens or "short"
+        figures["quality_prompts"], figures["quality_tokens"] = args.prompts, args.tokens
+        for dtype in args.dtypes.split(","):
+            log(f"quality on SmolLM2 in {dtype}")
+            figures["quality"][dtype] = quality(args.prompts, args.tokens, dtype, args.prompt_tokens)
+        if args.write_quality:
+            write_quality(args.write_quality, figures["quality"], args)
+    return figures
+
+
+def _by_mib(row: dict[int, float]) -> dict[str, float]:
+    return {str(size // MIB): v for size, v in row.items()}
+
+
+def render(figures: dict[str, Any]) -> str:
+    out = []
+    head = [f"{s} MiB" for s in figures["sizes_mib"]]
+    if "cuda_ipc_vs_d2d" in figures:
+        rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
+        rows.append(["cuda_ipc / d2d", *figures["cuda_ipc_vs_d2d"].values()])
+        return format_table(["path", *head], rows, f"Same-node transfer on {figures['device']}, GB/s (median)")
+    if "gbps" in figures:
+        rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
+        if "nixl_vs_shm" in figures:
+            rows.append(["nixl / shm", *figures["nixl_vs_shm"].values()])
+        out.append(format_table(["path", *head], rows, "Transport round trip, GB/s (median)"))
+    if "codec" in figures:
+        keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
+        codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
+        out.append(format_table(keys, codec_rows, "Codec on SmolLM2-shaped bf16 KV, 4 shards"))
+    if "lossless" in figures:
+        from bench.transfer_lossless import render as render_lossless
+
+        out.append(render_lossless(figures["lossless"]))
+    if "quality" in figures:
+        keys = ["forced_agreement", "forced_agreement_ties", "free_agreement", "prompts_identical", "max_logit_diff",
+                "mean_kl"]
+        heads = ["forced", "forced (ties)", "free", "identical", "max_logit_diff", "mean_kl"]
+        n, tokens, length = figures["quality_prompts"], figures["quality_tokens"], figures["quality_prompt_tokens"]
+        for dtype, q_rows in figures["quality"].items():
+            fmt = {"prompts_identical": f"{{}}/{n}", "mean_kl": "{:.2e}", "max_logit_diff": "{:.3f}"}
+            rows = [[r["variant"], *(fmt.get(k, "{:.4f}").format(r[k]) for k in keys)] for r in q_rows]
+            title = (f"Token agreement with uncompressed KV: SmolLM2 ({dtype}), {n} "
+                     f"{'' if length == 'short' else f'{length}-token '}prompts x {tokens} greedy tokens\n"
+                     "(forced: fed the reference's tokens, per step; (ties): a pick the other side's logits tie with"
+                     " its own counts as agreement;\n free: its own tokens; max_logit_diff and mean_kl (nats): forced"
+                     " steps; 1-ulp: every KV value one step off, the floor)")
+            out.append(format_table(["variant", *heads], rows, title))
+    return "\n\n".join(out)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    ap = bench_parser(__doc__)
     ap.add_argument("--sizes-mib", default="1,16,256")
     ap.add_argument("--parts", default="transport,codec,quality",
                     help="which tables to produce (lossless: the zstd codec on SmolLM2's real KV)")
@@ -224,73 +367,7 @@ def main() -> None:
                     help="cuda_ipc: only the same-node table, cuda_ipc between two processes vs one d2d copy"
                          " (needs torch, CUDA and cupy; neither Ray nor NIXL)")
     ap.add_argument("--device", default="cuda:0", help="--transport cuda_ipc: the GPU (cpu: shared host memory)")
-    args = ap.parse_args()
-    sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
-    if args.transport == "cuda_ipc":
-        from bench.transfer_ipc import print_cuda_ipc
-
-        print_cuda_ipc(sizes, args.device, args.json)
-        return
-    parts = set(args.parts.split(","))
-    figures: dict[str, Any] = {"sizes_mib": [s // MIB for s in sizes]}
-    if "transport" in parts:
-        log("memcpy and shared-memory limits")
-        gbps = {"memcpy (1 process)": memcpy(sizes), "shm round trip": two_process("shm", sizes)}
-        if nixl_available():
-            log("nixl")
-            gbps["nixl"] = two_process("nixl", sizes)
-        if not args.no_ray:
-            log("ray object store (starting a local cluster)")
-            gbps["object_store"] = object_store(sizes)
-        gbps["local (1 process)"] = local(sizes)
-        figures["gbps"] = {k: {str(s // MIB): v for s, v in row.items()} for k, row in gbps.items()}
-        if "nixl" in gbps:
-            figures["nixl_vs_shm"] = {str(s // MIB): gbps["nixl"][s] / gbps["shm round trip"][s] for s in sizes}
-    if "codec" in parts:
-        log("codecs")  # the lossless one on real KV: --parts lossless
-        figures["codec"] = codec_figures(args.codec_blocks)
-    if "lossless" in parts:
-        from bench.transfer_lossless import lossless_figures
-
-        figures["lossless"] = lossless_figures(args.dtypes.split(","), [int(n) for n in args.lossless_tokens.split(",")])
-    if "quality" in parts and args.prompts > 0:
-        figures["quality"] = {}
-        figures["quality_prompt_tokens"] = args.prompt_tokens or "short"
-        for dtype in args.dtypes.split(","):
-            log(f"quality on SmolLM2 in {dtype}")
-            figures["quality"][dtype] = quality(args.prompts, args.tokens, dtype, args.prompt_tokens)
-        if args.write_quality:
-            write_quality(args.write_quality, figures["quality"], args)
-    if args.json:
-        print(json.dumps(figures, indent=2))
-        return
-    if "gbps" in figures:
-        head = [f"{s} MiB" for s in figures["sizes_mib"]]
-        rows = [[k, *row.values()] for k, row in figures["gbps"].items()]
-        if "nixl_vs_shm" in figures:
-            rows.append(["nixl / shm", *figures["nixl_vs_shm"].values()])
-        print(format_table(["path", *head], rows, "Transport round trip, GB/s (median)"), end="\n\n")
-    if "codec" in figures:
-        keys = ["codec", "raw_mib", "wire_mib", "ratio_vs_bf16", "encode_gbps", "decode_gbps"]
-        codec_rows = [[r[k] for k in keys] for r in figures["codec"]]
-        print(format_table(keys, codec_rows, "Codec on SmolLM2-shaped bf16 KV, 4 shards"), end="\n\n")
-    if "lossless" in figures:
-        from bench.transfer_lossless import render
-
-        print(render(figures["lossless"], table), end="\n\n")
-    if "quality" in figures:
-        keys = ["forced_agreement", "forced_agreement_ties", "free_agreement", "prompts_identical", "max_logit_diff",
-                "mean_kl"]
-        heads = ["forced", "forced (ties)", "free", "identical", "max_logit_diff", "mean_kl"]
-        for dtype, q_rows in figures["quality"].items():
-            fmt = {"prompts_identical": f"{{}}/{args.prompts}", "mean_kl": "{:.2e}", "max_logit_diff": "{:.3f}"}
-            rows = [[r["variant"], *(fmt.get(k, "{:.4f}").format(r[k]) for k in keys)] for r in q_rows]
-            length = f"{args.prompt_tokens}-token " if args.prompt_tokens else ""
-            title = (f"Token agreement with uncompressed KV: SmolLM2 ({dtype}), {args.prompts} {length}prompts x "
-                     f"{args.tokens} greedy tokens\n(forced: fed the reference's tokens, per step; (ties): a pick the other side's"
-                     " logits tie with its own counts as agreement;\n free: its own tokens; max_logit_diff and"
-                     " mean_kl (nats): forced steps; 1-ulp: every KV value one step off, the floor)")
-            print(format_table(["variant", *heads], rows, title), end="\n\n")
+    run(bench, ap.parse_args(), render)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 import zstandard
 
+from bench.common import format_table
 from bench.common import progress as log
 from kernels.exponent_split import split_exponents
 from transfer.codec import KVLayout, decode, encode
+from transfer.units import MIB
 
 GB = 1e9
 BLOCK_SIZE = 16
@@ -80,7 +82,7 @@ def lossless_figures(dtypes: list[str], lengths: list[int], num_shards: int = 2)
                 kv, layout = real_kv(dtype, num_tokens)
                 torch.set_num_threads(1)  # the codec's figures are one core's
                 raw = kv.numel() * kv.element_size()
-                row: dict[str, Any] = {"dtype": dtype, "prompt_tokens": num_tokens, "raw_mib": raw / (1 << 20)}
+                row: dict[str, Any] = {"dtype": dtype, "prompt_tokens": num_tokens, "raw_mib": raw / MIB}
                 for codec in ("none", "zstd"):
                     enc_s, shards = _best_s(lambda c=codec: encode(kv, layout, compression=c, num_shards=num_shards))
                     dec_s, out = _best_s(lambda s=shards: decode(s, layout))
@@ -103,17 +105,17 @@ def lossless_figures(dtypes: list[str], lengths: list[int], num_shards: int = 2)
     return rows
 
 
-def render(rows: list[dict[str, Any]], table: Callable[[str, list[str], list[list[Any]]], str]) -> str:
+def render(rows: list[dict[str, Any]]) -> str:
     codec_rows = [[r["dtype"], r["prompt_tokens"], r["raw_mib"], r["zstd"]["ratio"], r["zstd"]["encode_gbps"],
                    r["zstd"]["decode_gbps"], r["none"]["encode_gbps"], r["none"]["decode_gbps"],
                    r["zstd"]["bit_exact"] and r["none"]["bit_exact"]] for r in rows]
-    out = table("Lossless zstd codec on SmolLM2's real KV, one core (raw GB/s; ratio = raw / wire bytes)",
-                ["dtype", "prompt", "raw MiB", "zstd ratio", "zstd enc", "zstd dec", "none enc", "none dec",
-                 "bit-exact"], codec_rows)
+    out = format_table(["dtype", "prompt", "raw MiB", "zstd ratio", "zstd enc", "zstd dec", "none enc", "none dec",
+                        "bit-exact"], codec_rows,
+                       "Lossless zstd codec on SmolLM2's real KV, one core (raw GB/s; ratio = raw / wire bytes)")
     names = list(rows[0]["coders"]) if rows else []
     coder_rows = [[r["dtype"], r["prompt_tokens"], *(f"{r['coders'][n]['codec_ratio']:.3f} @ "
                                                      f"{r['coders'][n]['plane_gbps']:.2f}" for n in names)]
                   for r in rows]
-    out += "\n\n" + table("Entropy coders on the exponent bytes: codec ratio @ coder GB/s of exponent bytes",
-                          ["dtype", "prompt", *names], coder_rows)
+    out += "\n\n" + format_table(["dtype", "prompt", *names], coder_rows,
+                                 "Entropy coders on the exponent bytes: codec ratio @ coder GB/s of exponent bytes")
     return out

@@ -17,9 +17,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
+
+from bench.common import bench_parser, progress, run
 
 
 def measure(model: str = "smollm2", prefill_lengths: tuple[int, ...] = (32, 128, 256, 512, 1024),
@@ -51,7 +52,7 @@ def measure(model: str = "smollm2", prefill_lengths: tuple[int, ...] = (32, 128,
             engine.release_kv(rid)
         entries.append({"prefill_tokens": n, "prefill_pairs": n * n / 2.0, "decode_rows": 0,
                         "context_tokens": 0, "step_s": statistics.median(times)})
-        print(f"[profile] prefill {n} tokens: {entries[-1]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+        progress(f"profile: prefill {n} tokens: {entries[-1]['step_s'] * 1e3:.1f} ms")
     for rows, ctx in decode_shapes:
         params = SamplingParams(max_tokens=repeats + 2, ignore_eos=True, temperature=0.0)
         ids = [f"dc{next(counter)}" for _ in range(rows)]
@@ -67,18 +68,20 @@ def measure(model: str = "smollm2", prefill_lengths: tuple[int, ...] = (32, 128,
             engine.step()
         entries.append({"prefill_tokens": 0, "prefill_pairs": 0.0, "decode_rows": rows,
                         "context_tokens": rows * (ctx + 2), "step_s": statistics.median(times)})
-        print(f"[profile] decode {rows} rows x {ctx} ctx: {entries[-1]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+        progress(f"profile: decode {rows} rows x {ctx} ctx: {entries[-1]['step_s'] * 1e3:.1f} ms")
     return {"model": model, "device": "cpu", "engine": "actors.engine.Engine", "entries": entries}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sim.profile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     profile = measure(args.model)
     Path(args.out).write_text(json.dumps(profile, indent=2))
-    print(json.dumps(profile, indent=2))
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_parser(__doc__, model="smollm2")
+    ap.add_argument("--out", required=True)
+    run(bench, ap.parse_args(argv), lambda profile: json.dumps(profile, indent=2))  # the profile is its table
     return 0
 
 

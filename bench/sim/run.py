@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import multiprocessing
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.common import bench_parser, format_table, progress, run
 from bench.sim.cluster import ClusterSpec, SimCluster
 from bench.sim.hardware import ProfileCost, RooflineCost, StepCost
 from bench.sim.latency import measure_decision_latency
@@ -140,10 +139,6 @@ def run_job(job: Job) -> dict[str, Any]:
     return out
 
 
-def _progress(msg: str) -> None:
-    print(f"[sim] {msg}", file=sys.stderr, flush=True)
-
-
 def _map(jobs: list[Job], n_proc: int) -> list[dict[str, Any]]:
     if n_proc <= 1:
         return [run_job(j) for j in jobs]
@@ -179,7 +174,7 @@ def evaluate_trace(setup: TraceSetup, args: argparse.Namespace) -> dict[str, Any
             b = _bracket(points[p])
             if b is not None and b[1] - b[0] > 1e-9:
                 jobs.append(replace(base, policy=p, rate=round((b[0] + b[1]) / 2, 3)))
-        _progress(f"{setup.name}: refinement {it + 1}: {len(jobs)} runs")
+        progress(f"{setup.name}: refinement {it + 1}: {len(jobs)} runs")
         for r in _map(jobs, args.jobs):
             runs.append(r)
             points[r["policy"]][r["rate"]] = r["attainment"]
@@ -196,15 +191,13 @@ def evaluate_trace(setup: TraceSetup, args: argparse.Namespace) -> dict[str, Any
     if args.failures:
         sustained = [g for g in good.values() if g > 0]
         rate = round(0.7 * min(sustained), 3) if sustained else setup.rates[0]
-        _progress(f"{setup.name}: failure injection at {rate} req/s")
+        progress(f"{setup.name}: failure injection at {rate} req/s")
         fails = _map([replace(base, policy=p, rate=rate, failures=True) for p in args.policies], args.jobs)
         result["failures"] = {"rate_rps": rate, "by_policy": {r["policy"]: r for r in fails}}
     return result
 
 
-def _tables(figures: dict[str, Any]) -> str:
-    from bench.common import format_table
-
+def render(figures: dict[str, Any]) -> str:
     out = []
     for name, tr in figures["traces"].items():
         g = tr["goodput_rps"]
@@ -244,15 +237,68 @@ def _tables(figures: dict[str, Any]) -> str:
                                 [[lat["num_in_flight"], lat["submit_p50_us"], lat["submit_p99_us"], cpu["p50_us"],
                                   cpu["p99_us"], cpu["max_us"]]],
                                 title="scheduler decision latency (submit), 16 prefill + 16 decode workers"))
-    return "\n\n".join(out)
+    text = "\n\n".join(out)
+    if figures.get("plots"):
+        text += "\n\nplots: " + ", ".join(figures["plots"])
+    return text + f"\ntotal {figures['wall_s']:.0f} s"
 
 
 def _ms(s: float | None) -> float | None:
     return None if s is None else s * 1e3
 
 
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    figures: dict[str, Any] = {"cluster": {"prefill": args.prefill, "decode": args.decode,
+                                           "colocated": args.prefill + args.decode,
+                                           "cost": args.profile or "roofline H200 / Llama-3.1-8B",
+                                           "ours_local_prefill": args.local_prefill},
+                               "traces": {}}
+    for name in [t for t in args.traces.split(",") if t]:
+        setup = TRACES[name]
+        setup = replace(setup, num_requests=args.requests or setup.num_requests,
+                        rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else setup.rates,
+                        ttft_ms=args.ttft_ms or setup.ttft_ms, tpot_ms=args.tpot_ms or setup.tpot_ms)
+        progress(f"{name}: {len(args.policies)} policies x {len(setup.rates)} rates")
+        figures["traces"][name] = evaluate_trace(setup, args)
+    if args.latency:
+        progress("decision latency with 10k requests in flight")
+        figures["decision_latency"] = measure_decision_latency(local_prefill=args.local_prefill)
+    if args.plot_dir:
+        figures["plots"] = plot_attainment(figures, Path(args.plot_dir))
+    return figures
+
+
+def plot_attainment(figures: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, tr in figures["traces"].items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for policy, points in tr["attainment"].items():
+            rates = sorted(points)
+            ax.plot(rates, [points[r] for r in rates], marker="o", label=f"{policy} (goodput {tr['goodput_rps'][policy]:g})")
+        ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+        slo = tr["slo"]
+        ax.set_title(f"{name}: TTFT {slo['ttft_ms']:.0f} ms, TPOT {slo['tpot_ms']:.0f} ms (P99 targets)")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("fraction meeting both SLOs")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower left", fontsize=8)
+        path = out_dir / f"attainment_{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__)
     ap.add_argument("--traces", default="azure_conv,mooncake", help="comma list of: " + ", ".join(TRACES))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--prefill", type=int, default=16)
@@ -270,41 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-scale", type=float, default=1.0)
     ap.add_argument("--plot-dir", default="/tmp/ferry-sim", help="where PNG plots go ('' for none)")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
     unknown = set(args.policies) - set(POLICIES)
     if unknown:
         ap.error(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
-    t0 = time.perf_counter()
-    figures: dict[str, Any] = {"cluster": {"prefill": args.prefill, "decode": args.decode,
-                                           "colocated": args.prefill + args.decode,
-                                           "cost": args.profile or "roofline H200 / Llama-3.1-8B",
-                                           "ours_local_prefill": args.local_prefill},
-                               "traces": {}}
-    for name in [t for t in args.traces.split(",") if t]:
-        setup = TRACES[name]
-        setup = replace(setup, num_requests=args.requests or setup.num_requests,
-                        rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else setup.rates,
-                        ttft_ms=args.ttft_ms or setup.ttft_ms, tpot_ms=args.tpot_ms or setup.tpot_ms)
-        _progress(f"{name}: {len(args.policies)} policies x {len(setup.rates)} rates")
-        figures["traces"][name] = evaluate_trace(setup, args)
-    if args.latency:
-        _progress("decision latency with 10k requests in flight")
-        figures["decision_latency"] = measure_decision_latency(local_prefill=args.local_prefill)
-    if args.plot_dir:
-        from bench.sim.plot import plot_attainment
-
-        figures["plots"] = plot_attainment(figures, Path(args.plot_dir))
-    figures["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps(figures, indent=2, default=str))
-    else:
-        print(_tables(figures))
-        if figures.get("plots"):
-            print("\nplots: " + ", ".join(figures["plots"]))
-        print(f"total {figures['wall_s']:.0f} s")
+    run(bench, args, render)
     return 0
-
-
-__all__ = ["main", "run_job", "Job", "TRACES", "goodput", "asdict"]

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from bench import moe
-from bench.moe_calibration import calibrate_head, margin_stats, text_slices
-from bench.moe_model import next_token_argmax, skewed_moe_engine, text_prompts
+from bench.moe_model import calibrate_head, margin_stats, next_token_argmax, skewed_moe_engine, text_prompts, text_slices
 
 
 def test_margin_stats_are_scale_free_and_see_ties() -> None:
