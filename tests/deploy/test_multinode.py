@@ -4,14 +4,20 @@ names the custom resource each node declares (README: Many nodes), and no node h
 another role, so no actor can land on the wrong node. Through them, on SmolLM2 with the shipped
 deploy/serve.yaml settings: Ray's state API shows every actor on its role's node; greedy output
 equals the engine alone token for token, with the KV crossing from the prefill node to the decode
-node; a prefill replica restarted with an empty cache takes a shared prefix from the store on the
-cache node; and a role no node can host is refused at start with a clear error."""
+node; a prefix the prefill engine has evicted comes back from the store on the cache node; the
+decode node lost under load costs no stream a token; and a role no node can host is refused at
+start with a clear error."""
 
 from __future__ import annotations
 
+import functools
+import json
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +34,12 @@ PORT = 8343
 APP = "ferry-nodes"
 # Role -> the custom resource its node declares; the head also runs Serve's controller and proxy.
 ROLES = {"head": "ferry_head", "prefill": "ferry_prefill", "decode": "ferry_decode", "cache": "ferry_cache"}
+
+
+@dataclass
+class Nodes:
+    cluster: Any  # ray.cluster_utils.Cluster
+    by_role: dict[str, Any]  # role -> its ray._private.node.Node
 
 
 def _free_port() -> int:
@@ -49,11 +61,12 @@ def nodes() -> Iterator[Any]:
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {ROLES["head"]: 1}, "include_dashboard": True,  # the state API needs it
         "dashboard_host": "127.0.0.1", "dashboard_port": _free_port()})
+    by_role = {"head": cluster.head_node}
     for role in ("prefill", "decode", "cache"):
-        cluster.add_node(num_cpus=1, resources={ROLES[role]: 1}, object_store_memory=200 << 20)
+        by_role[role] = cluster.add_node(num_cpus=1, resources={ROLES[role]: 1}, object_store_memory=200 << 20)
     try:
         ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster
+        yield Nodes(cluster, by_role)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -61,7 +74,7 @@ def nodes() -> Iterator[Any]:
             start_local_ray()
 
 
-def placements() -> dict[str, set[str]]:
+def placements(address: str) -> dict[str, set[str]]:
     """Each live actor's class (Serve replicas as their deployment's name) -> the roles of the nodes
     it runs on, from Ray's state API and the nodes' resources."""
     import ray
@@ -70,65 +83,132 @@ def placements() -> dict[str, set[str]]:
     role_of = {node["NodeID"]: {role for role, res in ROLES.items() if res in node["Resources"]}
                for node in ray.nodes() if node["Alive"]}
     out: dict[str, set[str]] = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    for actor in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000):
         name = actor.class_name.removeprefix(f"ServeReplica:{APP}:")
         out.setdefault(name, set()).update(role_of[actor.node_id])
     return out
 
 
-def test_every_role_on_its_node_greedy_exact_and_a_prefix_from_the_cache_node(nodes: Any, smollm2_gguf: Path) -> None:
-    prompts = SHORT + long_prompts(smollm2_gguf, 600, 1)
-    want = reference(smollm2_gguf, prompts)
+@pytest.fixture(scope="module")
+def app(nodes: Nodes, smollm2_gguf: Path) -> Iterator[str]:
+    """The app with deploy/serve.yaml's settings on SmolLM2, every role pinned to its node."""
     args = serve_yaml_args(str(smollm2_gguf))
     args["api"]["served_model_names"] = ["m"]
     args["placement"] = ROLES
+    args["prefix_cache"]["dram_mib"] = 128  # the pool outlasts the engines' own 64 MiB of KV
     with served_app(APP, PORT, args, proxy_location="HeadOnly") as url:
-        where = placements()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: complete(url, p, EXACT), prompts))
-        assert [text for text, _ in got] == want
-        for _, timeline in got:  # every request went prefill node -> decode node, losslessly
-            assert timeline["prefill"]["kv_codec"]["lossless"], timeline["prefill"]
-        # A fresh prefill replica has nothing cached; the long prompt's blocks wait in the store on
-        # the cache node, and a prompt sharing them takes them from there.
-        restart_prefill_replica(url)
-        _, again = complete(url, prompts[2] + " And then", EXACT)
+        yield url
+
+
+def test_every_role_on_its_node_greedy_exact_and_a_prefix_from_the_cache_node(
+        app: str, nodes: Nodes, smollm2_gguf: Path) -> None:
+    prompts = SHORT + long_prompts(smollm2_gguf, 200, 1)
+    want = reference(smollm2_gguf, prompts)
+    where = placements(nodes.cluster.address)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: complete(app, p, EXACT), prompts))
+    assert [text for text, _ in got] == want
+    for _, timeline in got:  # every request went prefill node -> decode node, losslessly
+        assert timeline["prefill"]["kv_codec"]["lossless"], timeline["prefill"]
+    # Other long prompts push the first one's blocks out of the prefill engine's own 91 blocks; the
+    # store on the cache node still holds them, and a prompt sharing them takes them from there.
+    for other in long_prompts(smollm2_gguf, 700, 3)[1:]:
+        complete(app, other, EXACT)
+    _, again = complete(app, prompts[2] + " And then", EXACT)
     assert where["prefill"] == {"prefill"} and where["decode"] == {"decode"}, where
     assert where["PrefixCacheStore"] == {"cache"} and where["SchedulerService"] == {"head"}, where
     assert where["FerryIngress"] == {"head"} and where["ServeController"] == {"head"}, where
     assert again["prefill"]["pool_hit_blocks"] > 0 and again["prefill"]["local_hit_blocks"] == 0, again["prefill"]
 
 
-def restart_prefill_replica(url: str) -> None:
-    """Kills the prefill replica; Serve starts a new one (on the prefill node: nowhere else has the
-    resource) and the app is healthy again once the ingress has found it."""
-    import ray
-    from ray.util.state import list_actors
-
-    from tests.deploy.serving import wait_until_healthy
-
-    (replica,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                  if a.class_name == f"ServeReplica:{APP}:prefill"]
-    ray.kill(ray.get_actor(replica.name, namespace=replica.ray_namespace), no_restart=True)
-    wait_until_gone(replica.actor_id)
-    wait_until_healthy(url)
-
-
-def wait_until_gone(actor_id: str, timeout_s: float = 60.0) -> None:
-    import time
-
-    from ray.util.state import get_actor
-
-    deadline = time.monotonic() + timeout_s
-    while (state := get_actor(actor_id)) is not None and state.state == "ALIVE":
-        assert time.monotonic() < deadline, f"actor {actor_id} still alive after {timeout_s:g} s"
-        time.sleep(0.2)
-
-
-def test_a_role_no_node_can_host_is_refused_with_its_name(nodes: Any, smollm2_gguf: Path) -> None:
+def test_a_role_no_node_can_host_is_refused_with_its_name(nodes: Nodes, smollm2_gguf: Path) -> None:
     from deploy.apps import build_app
     from deploy.placement import NoNodeForRole
 
     args = serve_yaml_args(str(smollm2_gguf)) | {"placement": {**ROLES, "decode": "ferry_gpu_decode"}}
     with pytest.raises(NoNodeForRole, match=r"placement\.decode needs a node with the resource 'ferry_gpu_decode'"):
         build_app(args)
+
+
+STREAM_TOKENS = 40
+STREAM_PROMPTS = [f"{start} Here is what happened next:" for start in (
+    "The ferry leaves the harbor at seven in the morning.", "Photosynthesis is the process by which plants",
+    "A short history of the printing press:", "The recipe calls for flour, butter and", "In 1969 the first",
+    "Rivers carry sediment from the mountains to")]
+
+
+@functools.cache
+def _engine(model: Path) -> Any:
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import Engine
+
+    return Engine.from_pretrained(model, EngineConfig(dtype="float32", kv_cache_bytes=128 << 20))
+
+
+def greedy(model: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """The engine alone, in this process: what the app must stream, token for token."""
+    from actors.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.text for o in _engine(model).generate(prompts, params)]
+
+
+def test_the_decode_node_lost_under_load_every_stream_finishes_exactly(
+        app: str, nodes: Nodes, smollm2_gguf: Path) -> None:
+    """Six streams run; the decode node goes at once (every process of it, as a lost machine): each
+    stream resumes on the prefill node (`lend_prefill`, the default recovery recomputing its KV) and
+    ends with the engine's own greedy text; a new request is served or gets 503 with Retry-After,
+    never hangs; once a decode node is back, the app serves through it and no KV block stays taken."""
+    import httpx2
+
+    want = greedy(smollm2_gguf, STREAM_PROMPTS, STREAM_TOKENS)
+    texts: list[list[str]] = [[] for _ in STREAM_PROMPTS]
+    errors: list[str] = []
+    started = [threading.Event() for _ in STREAM_PROMPTS]
+
+    def stream(i: int) -> None:
+        body = {"model": "m", "prompt": STREAM_PROMPTS[i], "max_tokens": STREAM_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx2.stream("POST", f"{app}/v1/completions", json=body, headers=EXACT, timeout=300) as r:
+            if r.status_code != 200:
+                errors.append(f"stream {i}: {r.status_code} {r.read()!r}")
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        errors.append(f"stream {i}: {event['error']}")
+                    texts[i].extend(c["text"] for c in event.get("choices", []))
+                    if len(texts[i]) >= 3:
+                        started[i].set()
+
+    readers = [threading.Thread(target=stream, args=(i,)) for i in range(len(STREAM_PROMPTS))]
+    for reader in readers:
+        reader.start()
+    for i, event in enumerate(started):
+        assert event.wait(180), f"stream {i} never started"
+    nodes.cluster.remove_node(nodes.by_role["decode"], allow_graceful=False)
+    for reader in readers:
+        reader.join(300)
+    assert not any(r.is_alive() for r in readers), "a stream hung"
+    assert not errors, errors
+    assert ["".join(t) for t in texts] == want
+    # While no decode node is up, a new request is served (the prefill node decodes it) or refused
+    # with Retry-After; never lost.
+    body = {"model": "m", "prompt": SHORT[0], "max_tokens": 4, "temperature": 0}
+    r = httpx2.post(f"{app}/v1/completions", json=body, headers=EXACT, timeout=120)
+    assert r.status_code == 200 or (r.status_code == 503 and "retry-after" in r.headers), (r.status_code, r.text)
+    # A decode node comes back (as the autoscaler would bring one): Serve starts the decode replica
+    # there, and every KV block the streams held is free again.
+    nodes.by_role["decode"] = nodes.cluster.add_node(num_cpus=1, resources={ROLES["decode"]: 1},
+                                                     object_store_memory=200 << 20)
+    deadline = time.monotonic() + 240
+    while True:
+        workers = httpx2.get(f"{app}/health", timeout=30).json().get("workers", {})
+        live = [w for w in workers.values() if w["healthy"]]
+        if ({w["kind"] for w in live} == {"prefill", "decode"}
+                and all(w["free_blocks"] == w["total_blocks"] and w["running"] == 0 for w in live)):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(1)
+    assert complete(app, SHORT[0], EXACT)[0] == greedy(smollm2_gguf, SHORT[:1], 16)[0]
