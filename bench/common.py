@@ -83,6 +83,16 @@ def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def best_s(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, Any]:
+    """(the fastest of `repeats` calls, in seconds; the last call's result)."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
 def gb_per_s(size: int, once: Callable[[], None]) -> float:
     """Median GB/s of `once` moving `size` bytes, after one untimed warm-up (more repeats when small)."""
     once()
@@ -158,12 +168,7 @@ def measure_copy_rate(size_bytes: int, repeats: int) -> float:
     src = torch.ones(size_bytes // 4, dtype=torch.float32)  # written, so its pages are resident
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the destination's pages in before timing
-    best_s = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best_s = min(best_s, time.perf_counter() - t0)
-    return size_bytes / best_s
+    return size_bytes / best_s(lambda: dst.copy_(src), repeats)[0]
 
 
 def peak_rss_bytes() -> int:

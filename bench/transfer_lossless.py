@@ -11,14 +11,13 @@ pick can be read off: the codec's whole-shard ratio it would give and the coder'
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import zstandard
 
-from bench.common import format_table
+from bench.common import best_s, format_table
 from bench.common import progress as log
 from kernels.exponent_split import split_exponents
 from transfer.codec import KVLayout, decode, encode
@@ -26,15 +25,6 @@ from transfer.units import MIB
 
 GB = 1e9
 BLOCK_SIZE = 16
-
-
-def _best_s(fn: Callable[[], Any], reps: int = 3) -> tuple[float, Any]:
-    best, out = float("inf"), None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def real_kv(dtype: str, num_tokens: int) -> tuple[torch.Tensor, KVLayout]:
@@ -84,18 +74,18 @@ def lossless_figures(dtypes: list[str], lengths: list[int], num_shards: int = 2)
                 raw = kv.numel() * kv.element_size()
                 row: dict[str, Any] = {"dtype": dtype, "prompt_tokens": num_tokens, "raw_mib": raw / MIB}
                 for codec in ("none", "zstd"):
-                    enc_s, shards = _best_s(lambda c=codec: encode(kv, layout, compression=c, num_shards=num_shards))
-                    dec_s, out = _best_s(lambda s=shards: decode(s, layout))
+                    enc_s, shards = best_s(lambda c=codec: encode(kv, layout, compression=c, num_shards=num_shards))
+                    dec_s, out = best_s(lambda s=shards: decode(s, layout))
                     row[codec] = {"ratio": raw / sum(map(len, shards)), "encode_gbps": raw / enc_s / GB,
                                   "decode_gbps": raw / dec_s / GB,
                                   "bit_exact": torch.equal(out.view(torch.uint8), kv.view(torch.uint8))}
                 exps, rest = split_exponents(kv)
                 plane = exps.numpy().tobytes()
-                split_s, _ = _best_s(lambda: split_exponents(kv))
+                split_s, _ = best_s(lambda: split_exponents(kv))
                 row["split_gbps"] = raw / split_s / GB
                 row["coders"] = {}
                 for name, coder in _coders().items():
-                    s, packed = _best_s(lambda c=coder: c(plane))
+                    s, packed = best_s(lambda c=coder: c(plane))
                     row["coders"][name] = {"codec_ratio": raw / (rest.numel() + len(packed)),
                                            "plane_ratio": len(plane) / len(packed), "plane_gbps": len(plane) / s / GB}
                 torch.set_num_threads(threads)
