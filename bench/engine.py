@@ -54,7 +54,8 @@ from actors.engine.config import parse_dtype
 from actors.engine.device import DeviceUnavailable, resolve_device
 from actors.engine.fetch import resolve_model
 from bench.common import bench_parser, csv, format_table, memcpy_bandwidth_bytes_per_s, peak_rss_bytes, progress, run
-from bench.engine_runners import DECODE_PROMPT_TOKENS, PREFILL_TOKENS, FerryRunner, TransformersRunner
+from bench.engine_runners import (DECODE_PROMPT_TOKENS, PREFILL_TOKENS, FerryRunner, TransformersRunner,
+                                  weight_bytes_per_decode_step)
 
 MODEL = "smollm2"
 RANDOM_SMOLLM2 = "random-smollm2"  # --model: random weights of SmolLM2-135M's shapes, written on the fly
@@ -134,7 +135,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
         if hf is not None:
             hf_decode[str(b)] = hf.decode_tok_s(b, args.gen_tokens)
 
-    weight_bytes = ferry.weight_bytes_per_decode_step()
+    weight_bytes = weight_bytes_per_decode_step(ferry.engine.runner.model)
     bound_tok_s = bandwidth / weight_bytes
     result: dict[str, Any] = {
         "weight_bytes_per_decode_step": weight_bytes,
@@ -150,7 +151,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
         "targets": {},
     }
     if on_cuda:
-        result["ferry"]["kv_plan"] = ferry.kv_plan()
+        result["ferry"]["kv_plan"] = ferry.engine.kv_plan.to_dict()
     del ferry
     gc.collect()
     if on_cuda and "1" in ferry_decode and not args.skip_eager:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -95,12 +94,6 @@ class FerryRunner:
         tok_s = num_window_tokens / elapsed_s if elapsed_s > 0 else 0.0
         return {"tok_s": tok_s, "tokens": num_window_tokens, "steps": num_window_steps, "seconds": elapsed_s}
 
-    def weight_bytes_per_decode_step(self) -> int:
-        return weight_bytes_per_decode_step(self.engine.runner.model)
-
-    def kv_plan(self) -> dict[str, Any]:
-        return self.engine.kv_plan.to_dict()
-
 
 def weight_bytes_per_decode_step(model: CausalLM) -> int:
     """Every distinct parameter once (a tied embedding is the lm_head's matrix, read by its
@@ -166,6 +159,3 @@ class TransformersRunner:
         tokens = (gen_tokens - 1) * batch
         return {"tok_s": tokens / window_s if window_s > 0 else 0.0, "tokens": tokens,
                 "seconds": window_s, "generate_1_s": first_s, "generate_full_s": full_s}
-
-
-# ---------------------------------------------------------------------------------------- driver

@@ -46,9 +46,18 @@ def payload(size: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
 
 
-def _receiver(kind: str, max_size: int, conn: Any) -> None:
-    """Child process: receives into a preallocated buffer and acks each message."""
-    dst = np.ones(max_size, dtype=np.uint8)  # written, so its pages are resident
+def _endpoint(kind: str, name: str, send_bytes: int, recv_bytes: int, device: str) -> Any:
+    """A nixl or cuda_ipc transport (its arena on `device`) with these staging sizes."""
+    if kind == "nixl":
+        return NixlTransport(name, NixlConfig(send_staging_bytes=send_bytes, recv_staging_bytes=recv_bytes))
+    from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
+
+    return CudaIpcTransport(name, CudaIpcConfig(recv_staging_bytes=recv_bytes, device=device))
+
+
+def _receiver(kind: str, max_size: int, conn: Any, device: str) -> None:
+    """Child process: receives each message (shm and nixl: into a preallocated host buffer) and acks it."""
+    dst = np.ones(max_size if kind != "cuda_ipc" else 0, dtype=np.uint8)  # written, so its pages are resident
     if kind == "shm":
         seg = shared_memory.SharedMemory(name=conn.recv())
         src = np.ndarray((max_size,), dtype=np.uint8, buffer=seg.buf)
@@ -58,21 +67,24 @@ def _receiver(kind: str, max_size: int, conn: Any) -> None:
         del src
         seg.close()
         return
-    t = NixlTransport("bench-rx", NixlConfig(send_staging_bytes=MIB, recv_staging_bytes=max_size + MIB))
+    t = _endpoint(kind, "bench-rx", MIB, max_size + MIB, device)
     conn.send_bytes(t.metadata())
     while conn.recv_bytes() == b"go":
         with t.recv(60.0) as d:
-            dst[: len(d.data)] = np.frombuffer(d.data, dtype=np.uint8)
+            assert len(d.data) > 0
+            if kind == "nixl":  # cuda_ipc: the bytes stay in the arena on the receiver's GPU
+                dst[: len(d.data)] = np.frombuffer(d.data, dtype=np.uint8)
         conn.send_bytes(b"k")
     t.close()
 
 
-def two_process(kind: str, sizes: list[int]) -> dict[int, float]:
+def two_process(kind: str, sizes: list[int], device: str = "cpu", src: Any = None) -> dict[int, float]:
+    """Round trips of `src` (default `payload`) to a spawned receiver over shm, nixl or cuda_ipc."""
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(kind, max(sizes), child_end), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(kind, max(sizes), child_end, device), daemon=True)
     proc.start()
-    src = payload(max(sizes))
+    src = payload(max(sizes)) if src is None else src
     out: dict[int, float] = {}
     try:
         if kind == "shm":
@@ -89,17 +101,20 @@ def two_process(kind: str, sizes: list[int]) -> dict[int, float]:
             del buf
             seg.close()
             seg.unlink()
-        else:
-            t = NixlTransport("bench-tx", NixlConfig(send_staging_bytes=max(sizes) + MIB, recv_staging_bytes=MIB))
-            assert conn.poll(120)
+            return out
+        t = _endpoint(kind, "bench-tx", max(sizes) + MIB, MIB, device)
+        try:
+            if not conn.poll(120):
+                raise RuntimeError(f"the {kind} receiver did not start within 120 s")
             t.add_peer(conn.recv_bytes())
             for size in sizes:
-                def once(size: int = size) -> None:
+                def send(size: int = size) -> None:
                     conn.send_bytes(b"go")
                     t.send("bench-rx", [src[:size]], timeout_s=60.0)
                     assert conn.poll(60) and conn.recv_bytes() == b"k"
-                out[size] = gb_per_s(size, once)
+                out[size] = gb_per_s(size, send)
             conn.send_bytes(b"stop")
+        finally:
             t.close()
     finally:
         proc.join(30)
@@ -173,26 +188,11 @@ def memcpy(sizes: list[int]) -> dict[int, float]:
     return {size: gb_per_s(size, lambda size=size: np.copyto(dst[:size], src[:size])) for size in sizes}
 
 
-def _ipc_receiver(device: str, max_size: int, conn: Any) -> None:
-    """Child process: a cuda_ipc endpoint whose arena is on `device`; takes each shard and acks."""
-    from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
-
-    t = CudaIpcTransport("bench-ipc-rx", CudaIpcConfig(recv_staging_bytes=max_size + MIB, device=device))
-    conn.send_bytes(t.metadata())
-    while conn.recv_bytes() == b"go":
-        with t.recv(60.0) as d:
-            assert len(d.data) > 0
-        conn.send_bytes(b"k")
-    t.close()
-
-
 def cuda_ipc_figures(sizes: list[int], device: str) -> dict[str, dict[int, float]]:
     """cuda_ipc between two processes (spawned, no Ray, no NIXL) against one device-to-device copy
     of the same bytes in one process. The clock runs from the sender's `send` of bytes already on
     its GPU until the receiver holds the Delivery (bytes in its arena on its GPU) and says so.
     With device "cpu" both rows are host memory (the shared-memory arena, and a memcpy)."""
-    from transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransport
-
     src = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     src = src.to(device)
     dst = torch.ones_like(src)
@@ -205,30 +205,8 @@ def cuda_ipc_figures(sizes: list[int], device: str) -> dict[str, dict[int, float
         dst[:size].copy_(src[:size])
         sync()
 
-    out = {"d2d copy (1 process)": {size: gb_per_s(size, lambda size=size: copy(size)) for size in sizes}}
-    ctx = mp.get_context("spawn")
-    conn, child_end = ctx.Pipe()
-    proc = ctx.Process(target=_ipc_receiver, args=(device, max(sizes), child_end), daemon=True)
-    proc.start()
-    tx = CudaIpcTransport("bench-ipc-tx", CudaIpcConfig(recv_staging_bytes=MIB, device=device))
-    try:
-        if not conn.poll(120):
-            raise RuntimeError("the cuda_ipc receiver did not start within 120 s")
-        tx.add_peer(conn.recv_bytes())
-
-        def once(size: int) -> None:
-            conn.send_bytes(b"go")
-            tx.send("bench-ipc-rx", [src[:size]], timeout_s=60.0)
-            assert conn.poll(60) and conn.recv_bytes() == b"k"
-
-        out["cuda_ipc (2 processes)"] = {size: gb_per_s(size, lambda size=size: once(size)) for size in sizes}
-        conn.send_bytes(b"stop")
-    finally:
-        tx.close()
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    return out
+    return {"d2d copy (1 process)": {size: gb_per_s(size, lambda size=size: copy(size)) for size in sizes},
+            "cuda_ipc (2 processes)": two_process("cuda_ipc", sizes, device, src)}
 
 
 # ---------------------------------------------------------------------------------- codec
