@@ -47,8 +47,8 @@ class Receiver:
                 out.append(("error", type(e).__name__))
         return out
 
-    def send_raw(self, peer: str, size: int, count: int) -> None:
-        self.t.send(peer, [np.full(size, 7, dtype=np.uint8)] * count, timeout_s=10.0)
+    def send_raw(self, peer: str, size: int, count: int, timeout_s: float = 10.0) -> None:
+        self.t.send(peer, [np.full(size, 7, dtype=np.uint8)] * count, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_full_mailbox_times_out_and_a_dead_senders_shards_arrive_whole_or_not_at
         assert ray.get(actor.add_peer.remote(driver.metadata()), timeout=60) == "driver"
         ray.get(actor.send_raw.remote("driver", 3 << 20, 2), timeout=60)  # 6 of the 8 MiB room
         with pytest.raises(Exception, match="TransferTimeout"):
-            ray.get(actor.send_raw.remote("driver", 3 << 20, 1), timeout=60)  # no room: its deadline
+            ray.get(actor.send_raw.remote("driver", 3 << 20, 1, 1.0), timeout=60)  # no room: its (short) deadline
         ray.kill(actor)  # the owner of the two queued shards dies
         # Ray may still serve an object whose owner just died (it is in this node's store) or may
         # report it lost; either is fine, a hang or partial bytes are not.

@@ -33,3 +33,16 @@ def smollm2_gguf() -> Path:
         return fetch_model("smollm2")
     except ModelFetchError as e:
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf: Path):
+    """transformers' own model from the same GGUF (it dequantizes the same tensors), in float32:
+    loaded once (~15 s) for the tests that check ferry against it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()

