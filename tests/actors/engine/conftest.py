@@ -46,3 +46,10 @@ def smollm2_transformers(smollm2_gguf: Path):
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers_tokenizer(smollm2_gguf: Path):
+    """transformers' tokenizer for the same GGUF, the reference for ferry's (loaded once)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

@@ -20,8 +20,7 @@ def engine(smollm2_gguf) -> Engine:
     return Engine.from_pretrained(smollm2_gguf, EngineConfig(kv_cache_bytes=128 << 20))
 
 
-def test_greedy_chat_matches_transformers(engine, smollm2_gguf, smollm2_transformers):
-    transformers = pytest.importorskip("transformers")
+def test_greedy_chat_matches_transformers(engine, smollm2_transformers, smollm2_transformers_tokenizer):
     ids = engine.encode_chat(MESSAGES)
     [out] = engine.generate([ids], SamplingParams(max_tokens=32, temperature=0))
     assert out.text == "The capital of France is Paris."
@@ -29,7 +28,7 @@ def test_greedy_chat_matches_transformers(engine, smollm2_gguf, smollm2_transfor
 
     want = smollm2_transformers.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
     assert list(out.token_ids) == want
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    tok = smollm2_transformers_tokenizer
     assert ids == list(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"])
 
 

