@@ -184,7 +184,15 @@ class ServeWorkers:
         known = self.known.get(w.replica_id)
         if known is not None:
             return known
-        return ServeWorkerHandle(w.name, w.replica_id, self.prefill if w.kind == "prefill" else self.decode)  # type: ignore[arg-type]
+        return ServeWorkerHandle(w.name, w.replica_id, self._deployment(w.kind))
+
+    def _deployment(self, kind: str) -> DeploymentHandle:
+        """The deployment whose replicas are of `kind`: decode and colocated replicas are `decode`'s."""
+        if kind != "prefill":
+            return self.decode
+        if self.prefill is None:
+            raise ValueError("a prefill replica answered, but this app has no prefill deployment")
+        return self.prefill
 
 
 class ServeReplacer:

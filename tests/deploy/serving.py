@@ -22,7 +22,7 @@ def wait_until_healthy(url: str, timeout_s: float = 300.0) -> None:
                 return
         except httpx2.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     pytest.fail(f"the app did not become healthy in {timeout_s:g} s")
 
 
