@@ -178,13 +178,12 @@ def test_health_shows_how_each_workers_kv_pool_was_sized(served):
 
 def test_nothing_listens_beyond_loopback(served):
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    import os
+    import psutil
 
-    ours = {str(os.getpid())}
-    import ray
-
-    ours |= {str(w["pid"]) for w in ray.util.state.list_workers(limit=1000, raise_on_missing_output=False)
-             if w.get("pid")} if hasattr(ray.util, "state") else set()
+    # This process and every process it started: the local Ray cluster (GCS, raylet, workers, Serve).
+    # (Ray's state API needs the dashboard, which the session cluster leaves out.)
+    me = psutil.Process()
+    ours = {str(p.pid) for p in [me, *me.children(recursive=True)]}
     wide = [line for line in out.splitlines() if "users:" in line
             and not line.split()[3].startswith(("127.", "[::1]", "::1", "[::ffff:127."))
             and any(f"pid={p}," in line for p in ours)]
