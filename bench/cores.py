@@ -3,7 +3,7 @@
 A disaggregated app on a CPU node runs a prefill engine and a decode engine in two processes. This
 bench runs the same pair the way the app can: a prefill process repeatedly prefilling one
 `--prompt-tokens` prompt, beside a decode process stepping `--rows` rows, each configuration for
-`--seconds`, and each engine alone too:
+`--seconds`, and each engine alone too (the other one started, waiting idle, as in the app):
 - split: each engine has cores/2 threads (the app's former default);
 - shared: each has every core, with OpenMP's passive wait policy (`engine.cpu_cores: shared`, the
   default): idle threads sleep, so a lone busy engine gets all the cores;
@@ -15,7 +15,7 @@ bench runs the same pair the way the app can: a prefill process repeatedly prefi
 The figures are prefill tokens/s and decode milliseconds per step, measured in the same run; the
 ratios compare each configuration with split.
 
-    python -m bench.cores [--seconds 20] [--json]
+    python -m bench.cores [--seconds 20] [--configs split,shared,spinning,lent] [--json]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from actors.core_share import CORE_SHARE_ENV, CoreShare, DecodeYield, PrefillClaim, engine_rows
 from actors.worker_config import SHARED_CORES_ENV
-from bench.common import format_table, progress
+from bench.common import bench_parser, csv, format_table, progress, run
 
 # (threads: half or all of the CPUs, the environment the app gives its workers)
 CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
@@ -44,8 +44,10 @@ CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
 
 
 def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: int, model: str,
-            tpot_ms: float, dtype: str) -> dict[str, float]:
-    """Runs in its own process (the wait policy is read when libgomp loads): one engine's figure."""
+            tpot_ms: float, dtype: str) -> None:
+    """Runs in its own process (the wait policy is read when libgomp loads): loads and warms one
+    engine, prints "ready", then measures once per "run" line on stdin (printing the figure as a
+    JSON line) until stdin closes. Between runs it waits on stdin, its threads idle."""
     import torch
 
     from actors.engine.config import EngineConfig
@@ -80,66 +82,105 @@ def _worker(role: str, threads: int, seconds: float, prompt_tokens: int, rows: i
         if claim is not None:
             claim.after_step(engine, None)
 
-    add(32, 2)  # warm-up: first-call costs out of the figures
-    while engine.has_unfinished_requests():
-        engine.step()
-    start = time.perf_counter()
-    if role == "prefill":
-        tokens = 0
+    def prefill() -> dict[str, float]:
+        start, tokens = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
             add(prompt_tokens, 1)
             while engine.has_unfinished_requests():
                 step()
             tokens += prompt_tokens
         return {"prefill_tok_s": tokens / (time.perf_counter() - start)}
-    for _ in range(rows):
-        add(32, engine.max_model_len - 32)  # rows that outlast the run
-    for _ in range(3):  # every row past its prompt: decode-only steps from here
+
+    def decode() -> dict[str, float]:
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds or steps == 0:
+            step()
+            steps += 1
+        return {"decode_step_ms": 1e3 * (time.perf_counter() - start) / steps}
+
+    add(32, 2)  # warm-up: first-call costs out of the figures
+    while engine.has_unfinished_requests():
         engine.step()
-    steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or steps == 0:
-        step()
-        steps += 1
-    return {"decode_step_ms": 1e3 * (time.perf_counter() - t0) / steps}
+    if role == "decode":
+        for _ in range(rows):
+            add(32, engine.max_model_len - 32)  # rows that outlast every run
+        for _ in range(3):  # every row past its prompt: decode-only steps from here
+            engine.step()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            print(json.dumps(prefill() if role == "prefill" else decode()), flush=True)
 
 
-def _spawn(role: str, config: str, args: argparse.Namespace, cpus: int) -> subprocess.Popen[str]:
-    threads_kind, extra_env = CONFIGS[config]
-    threads = max(1, cpus // 2) if threads_kind == "half" else cpus
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    env.update(extra_env)
-    if CORE_SHARE_ENV in extra_env:
-        env[CORE_SHARE_ENV] = args.core_share
-    argv = [sys.executable, "-m", "bench.cores", "--worker", role, "--threads", str(threads),
-            "--seconds", str(args.seconds), "--prompt-tokens", str(args.prompt_tokens), "--rows", str(args.rows),
-            "--model", args.model, "--tpot-ms", str(args.tpot_ms), "--dtype", args.dtype]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+class _Engine:
+    """One worker process of a configuration, ready to measure on `start()`."""
 
+    def __init__(self, role: str, config: str, args: argparse.Namespace, cpus: int) -> None:
+        threads_kind, extra_env = CONFIGS[config]
+        threads = max(1, cpus // 2) if threads_kind == "half" else cpus
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        env.update(extra_env)
+        if CORE_SHARE_ENV in extra_env:
+            env[CORE_SHARE_ENV] = args.core_share
+        argv = [sys.executable, "-m", "bench.cores", "--worker", role, "--threads", str(threads),
+                "--seconds", str(args.seconds), "--prompt-tokens", str(args.prompt_tokens), "--rows", str(args.rows),
+                "--model", args.model, "--tpot-ms", str(args.tpot_ms), "--dtype", args.dtype]
+        self.role = role
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-def _result(proc: subprocess.Popen[str]) -> dict[str, float]:
-    out, _ = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker exited with {proc.returncode}")
-    return json.loads(out.strip().splitlines()[-1])
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.role} worker exited with {self.proc.wait()}")
+        return line.strip()
+
+    def ready(self) -> None:
+        while self._line() != "ready":
+            pass
+
+    def start(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict[str, float]:
+        return json.loads(self._line())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        if self.proc.wait(60) != 0:
+            raise RuntimeError(f"the {self.role} worker exited with {self.proc.returncode}")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Per configuration, both engines start (in parallel) and measure alone, one after the other
+    while the other waits idle, then together."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     figures: dict[str, Any] = {"cpus": cpus, "dtype": args.dtype, "tpot_ms": args.tpot_ms,
                                "prompt_tokens": args.prompt_tokens, "rows": args.rows,
                                "seconds": args.seconds, "configs": {}}
     args.core_share = os.path.join(tempfile.mkdtemp(prefix="ferry-cores-"), "claim")
-    for config in CONFIGS:
+    for config in [c for c in CONFIGS if c == "split" or c in args.configs]:  # split: the ratios' baseline
+        progress(f"{config}: starting both engines")
+        engines = [_Engine(role, config, args, cpus) for role in ("prefill", "decode")]
         row: dict[str, float] = {}
-        if config == "lent":  # alone, nobody claims the cores: the same engines as "shared"
-            row.update({k: v for k, v in figures["configs"]["shared"].items() if k.startswith("alone_")})
-        for role in ("prefill", "decode") if config != "lent" else ():  # each engine alone
-            progress(f"{config}: {role} alone")
-            row.update({f"alone_{k}": v for k, v in _result(_spawn(role, config, args, cpus)).items()})
-        progress(f"{config}: prefill beside decode")
-        decode = _spawn("decode", config, args, cpus)
-        prefill = _spawn("prefill", config, args, cpus)
-        row.update({f"together_{k}": v for k, v in (_result(prefill) | _result(decode)).items()})
+        try:
+            for engine in engines:
+                engine.ready()
+            for engine in engines:
+                progress(f"{config}: {engine.role} alone")
+                engine.start()
+                row.update({f"alone_{k}": v for k, v in engine.result().items()})
+            progress(f"{config}: prefill beside decode")
+            for engine in engines[::-1]:  # decode first: the prefill starts against running rows
+                engine.start()
+            for engine in engines:
+                row.update({f"together_{k}": v for k, v in engine.result().items()})
+        finally:
+            for engine in engines:
+                engine.close()
         figures["configs"][config] = row
     split = figures["configs"]["split"]
     for row in figures["configs"].values():
@@ -161,23 +202,24 @@ def render(figures: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = bench_parser(__doc__, model="smollm2", dtype="auto")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--model", default="smollm2")
     p.add_argument("--tpot-ms", type=float, default=200.0, help="the decode rows' TPOT target (lent)")
-    p.add_argument("--dtype", default="auto", help="the engines' dtype (auto: bfloat16 on CPUs with native bf16)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--configs", type=csv(str), default=list(CONFIGS),
+                   help=f"which of {','.join(CONFIGS)} to run (split always runs: the baseline)")
     p.add_argument("--worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if unknown := set(args.configs) - set(CONFIGS):
+        p.error(f"unknown --configs {sorted(unknown)}; choose from {list(CONFIGS)}")
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.threads, args.seconds, args.prompt_tokens, args.rows, args.model,
-                                 args.tpot_ms, args.dtype)))
+        _worker(args.worker, args.threads, args.seconds, args.prompt_tokens, args.rows, args.model,
+                args.tpot_ms, args.dtype)
         return 0
-    figures = measure(args)
-    print(json.dumps(figures, indent=1) if args.json else render(figures))
+    args.threads = None  # the workers set their own
+    run(measure, args, render)
     return 0
 
 
