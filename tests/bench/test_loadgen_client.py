@@ -184,7 +184,8 @@ def _args(tmp_path, *extra: str):  # type: ignore[no-untyped-def]
     p = argparse.ArgumentParser()
     add_arguments(p)
     return p.parse_args(["--trace", "none", "--input-len", "6", "--output-len", "2", "--duration", "1",
-                         "--grace", "5", "--warmup", "0", "--num-requests", "3", "--out", str(tmp_path), *extra])
+                         "--grace", "5", "--warmup", "0", "--num-requests", "3", "--out", str(tmp_path),
+                         "--no-prefill-bound", *extra])  # the bound's own tests: test_loadgen_report.py
 
 
 def test_each_rate_of_a_sweep_sends_prompts_no_earlier_rate_sent(server: str, tmp_path) -> None:
