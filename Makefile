@@ -21,8 +21,14 @@ run: $(STAMP)
 	$(BIN)/ferry models fetch smollm2
 	$(BIN)/ferry serve --config deploy/serve.yaml
 
+# Two pytest workers (pytest-xdist), each test file whole on one of them: its module fixtures (a
+# Serve app, a multi-node cluster) stay in one process, and each worker has its own Ray cluster.
+# Much of a Ray test is waiting on other processes, so two workers fit 2 cores; TEST_WORKERS=0 runs
+# in this process only.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

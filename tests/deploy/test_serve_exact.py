@@ -2,12 +2,14 @@
 deployments, the KV over the configured transport (NIXL where it imports), with deploy/serve.yaml's
 own settings (compression auto, float32). Greedy tokens for two short prompts and one of >= 600
 tokens (past the 512-token prefill chunk and dozens of 16-token KV blocks), sent at once, equal the
-in-process engine's exactly, on a tiny random model and on SmolLM2; every
+in-process engine's exactly, on a tiny random model here and on SmolLM2 in test_multinode.py (the
+same check across four nodes, so the real model loads once); every
 exact tenant's transfer names a lossless codec in its timeline, and a tenant that opted into lossy KV
 gets the lossy codec it asked for (and its fidelity) in its own."""
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,6 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.actors.engine.conftest import smollm2_gguf  # noqa: F401  (session fixture)
 from tests.deploy.serving import served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -59,14 +60,20 @@ def long_prompts(model: Path, num_tokens: int, count: int) -> list[str]:
     return out
 
 
-def reference(model: Path, prompts: list[str]) -> list[str]:
+@functools.cache
+def _engine(model: Path) -> Any:
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
+
+    return Engine.from_pretrained(model, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20))
+
+
+def reference(model: Path, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
+    """The engine alone, in this process (loaded once per model): what the app must answer."""
     from actors.engine.sampling import SamplingParams
 
-    engine = Engine.from_pretrained(model, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return [o.text for o in engine.generate(prompts, params)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.text for o in _engine(model).generate(prompts, params)]
 
 
 def complete(url: str, prompt: str, headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
@@ -81,28 +88,27 @@ def complete(url: str, prompt: str, headers: dict[str, str]) -> tuple[str, dict[
     return r.json()["choices"][0]["text"], timeline.json()
 
 
-def check_exact_by_default(ray_cluster: Any, model: Path, name: str) -> None:
-    prompts = SHORT + long_prompts(model, 600, 1)
-    want = reference(model, prompts)
-    args = serve_yaml_args(str(model))
-    args["api"]["served_model_names"] = ["m"]
-    with served_app(name, PORT, args) as url:
-        with ThreadPoolExecutor(len(prompts)) as pool:  # several at once: batched prefill and decode
-            got = list(pool.map(lambda p: complete(url, p, EXACT), prompts))
-        _, lossy_timeline = complete(url, prompts[2], LOSSY)  # int8 KV: its tokens may differ, by the tenant's choice
-    assert [text for text, _ in got] == want
-    for _, timeline in got:
+def check_codecs(exact: list[dict[str, Any]], lossy: dict[str, Any]) -> None:
+    """Every exact tenant's transfer went lossless; the lossy tenant's as the int8 it asked for."""
+    for timeline in exact:
         codec = timeline["prefill"]["kv_codec"]
         assert codec["codec"] in ("none", "zstd") and codec["lossless"] and codec["fidelity"] == "exact", codec
-    codec = lossy_timeline["prefill"]["kv_codec"]
+    codec = lossy["prefill"]["kv_codec"]
     assert (codec["codec"], codec["reason"], codec["fidelity"], codec["lossless"]) == ("int8", "forced", "lossy", False)
 
 
 def test_served_tiny_model_is_the_engine_token_for_token(ray_cluster: Any, tmp_path: Path) -> None:
+    """SmolLM2 gets the same check on four nodes (tests/deploy/test_multinode.py), so it loads once."""
     from actors.engine.tiny_model import write_tiny_model
 
-    check_exact_by_default(ray_cluster, write_tiny_model(tmp_path / "tiny-exact", seed=3), "ferry-exact-tiny")
-
-
-def test_served_smollm2_is_the_engine_token_for_token(ray_cluster: Any, smollm2_gguf: Path) -> None:
-    check_exact_by_default(ray_cluster, smollm2_gguf, "ferry-exact-smollm2")
+    model = write_tiny_model(tmp_path / "tiny-exact", seed=3)
+    prompts = SHORT + long_prompts(model, 600, 1)
+    want = reference(model, prompts)
+    args = serve_yaml_args(str(model))
+    args["api"]["served_model_names"] = ["m"]
+    with served_app("ferry-exact-tiny", PORT, args) as url:
+        with ThreadPoolExecutor(len(prompts)) as pool:  # several at once: batched prefill and decode
+            got = list(pool.map(lambda p: complete(url, p, EXACT), prompts))
+        _, lossy = complete(url, prompts[2], LOSSY)  # int8 KV: its tokens may differ, by the tenant's choice
+    assert [text for text, _ in got] == want
+    check_codecs([timeline for _, timeline in got], lossy)
