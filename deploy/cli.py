@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from actors.engine.errors import EngineError
@@ -35,6 +36,14 @@ def _cmd_models_fetch(args: argparse.Namespace) -> int:
 
     path = fetch_model(args.name, force=args.force, progress=lambda msg: print(msg, file=sys.stderr))
     print(path)
+    return 0
+
+
+def _cmd_models_export(args: argparse.Namespace) -> int:
+    from actors.engine.export import export_hf
+
+    print(export_hf(args.name, Path(args.dir), dtype=args.dtype, force=args.force,
+                    progress=lambda msg: print(msg, file=sys.stderr, flush=True)))
     return 0
 
 
@@ -161,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", help="known model name, e.g. smollm2")
     fetch.add_argument("--force", action="store_true", help="download again even if cached")
     fetch.set_defaults(func=_cmd_models_fetch)
+    export = models.add_parser("export", help="write a model as a Hugging Face folder (safetensors, config, "
+                               "tokenizer, chat template), e.g. for vLLM to load the same weights")
+    export.add_argument("name", help="known model name (fetched if missing) or a .gguf path")
+    export.add_argument("dir", help="the folder to write")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    export.add_argument("--force", action="store_true", help="replace a non-empty folder")
+    export.set_defaults(func=_cmd_models_export)
 
     srv = sub.add_parser("serve", help="run the disaggregated app on a local Ray cluster (127.0.0.1)")
     srv.add_argument("--config", default=None, help="YAML config (deploy/serve.yaml shows every field)")

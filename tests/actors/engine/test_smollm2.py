@@ -42,3 +42,26 @@ def test_streamed_text_is_utf8_clean_and_complete(engine):
             final = out
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == final.text == engine.tokenizer.decode(list(final.token_ids))
+
+
+def test_the_exported_hf_folder_serves_the_same_tokens(engine, smollm2_gguf, smollm2_transformers,
+                                                       smollm2_transformers_tokenizer, tmp_path):
+    """`ferry models export`'s folder (what vLLM loads as the peer) holds the GGUF's weights: ferry
+    loading the folder gives the GGUF engine's greedy tokens and the same chat prompt ids."""
+    from safetensors import safe_open
+
+    from actors.engine.export import HF_FILES, write_hf
+
+    folder = write_hf(smollm2_transformers, smollm2_transformers_tokenizer, tmp_path / "hf", source=smollm2_gguf,
+                      dtype="float32")
+    assert all((folder / name).is_file() for name in HF_FILES)
+    assert "quantization_config" not in (folder / "config.json").read_text()
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()  # tied head
+    exported = Engine.from_pretrained(folder, EngineConfig(kv_cache_bytes=64 << 20))
+    ids = engine.encode_chat(MESSAGES)
+    assert exported.encode_chat(MESSAGES) == ids
+    greedy = SamplingParams(max_tokens=32, temperature=0)
+    [want] = engine.generate([ids], greedy)
+    [got] = exported.generate([ids], greedy)
+    assert list(got.token_ids) == list(want.token_ids) and got.text == want.text
