@@ -39,6 +39,10 @@ from transfer.transport import Delivery, KVTransport, TransferError, TransferTim
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 64  # deliveries landed under one engine-lock wait
+# With no reservation pending there is no lease to check and no shard to expect: the thread waits
+# for the next `expect` (which wakes it at once) up to this long, then drains whatever came anyway
+# (late shards of expired requests, released and dropped) and waits again.
+IDLE_WAIT_S = 1.0
 
 
 @dataclass(eq=False)  # identity-hashed: a dict key while its shards land
@@ -79,7 +83,9 @@ class KVReceiver:
         self._wire_bytes = 0
         self._decode_s: dict[str, float] = {}
         self._decoded_raw_bytes: dict[str, int] = {}
+        self._told_expecting = False  # what the transport was last told (`_tell_expecting`)
         self._stop = threading.Event()
+        self._announced = threading.Event()  # set by `expect` and `close`: an idle receiver thread wakes
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{transport.name}", daemon=True)
         self._thread.start()
 
@@ -91,6 +97,8 @@ class KVReceiver:
             self._pending[tag] = _Reservation(request_id, block_ids, time.monotonic() + lease_s)
             if self.engine.engine.model_config.is_moe:
                 self._choices[choice_tag(request_id)] = tag
+            self._tell_expecting()
+        self._announced.set()
 
     def cancel(self, request_id: str, error: BaseException) -> bool:
         """Frees a pending reservation and fails its stream; False if it is not pending."""
@@ -113,6 +121,7 @@ class KVReceiver:
 
     def close(self) -> None:
         self._stop.set()
+        self._announced.set()
         self._thread.join(timeout=max(1.0, 4 * self.poll_s))
         with self._lock:
             for res in list(self._pending.values()):
@@ -136,8 +145,17 @@ class KVReceiver:
                     delivery.release()
 
     def _take(self) -> list[Delivery]:
-        """The next delivery (waiting up to `poll_s`) and every other one already there."""
+        """The next delivery (waiting up to `poll_s`) and every other one already there; with no
+        reservation pending, first the next `expect` (up to `IDLE_WAIT_S`)."""
         batch: list[Delivery] = []
+        self._announced.clear()  # before looking: an `expect` from here on is seen below or ends the wait
+        with self._lock:
+            self._tell_expecting()
+            idle = not self._pending
+        if idle:
+            self._announced.wait(IDLE_WAIT_S)
+            if self._stop.is_set():
+                return batch
         wait_s = self.poll_s
         while len(batch) < MAX_BATCH:
             try:
@@ -149,6 +167,15 @@ class KVReceiver:
                 break
             wait_s = 0.0
         return batch
+
+    def _tell_expecting(self) -> None:
+        # Caller holds _lock. A transport that must poll for arrivals (NIXL) polls warm while KV is
+        # announced and cold otherwise (`expect_senders`, optional in the KVTransport contract).
+        expecting = bool(self._pending)
+        tell = getattr(self.transport, "expect_senders", None)
+        if tell is not None and expecting != self._told_expecting:
+            tell(expecting)
+            self._told_expecting = expecting
 
     def _land(self, batch: list[Delivery]) -> None:
         with self._lock:

@@ -5,6 +5,10 @@ Ray binds the machine's own address by default and silently overrides `--node-ip
 dashboard, Serve) bind 127.0.0.1. Ray's token auth is turned off for this local cluster: it is
 reachable from this machine only, and the ferry API has its own keys. A real cluster (`ray up
 deploy/cluster.yaml`) keeps Ray's auth on.
+
+Idle means idle (issue 38): Serve's own loops wake ten times a second by default, so `start_local`
+slows the ones that only refresh bookkeeping (`IDLE_ENV`, `python -m bench.idle` measures them);
+each stays an env default an operator's own setting overrides.
 """
 
 from __future__ import annotations
@@ -19,6 +23,25 @@ class LocalUrls:
     api: str
     dashboard: str
     metrics: str
+
+
+# Read by Serve's processes (controller, proxy, replicas) at import: they inherit this environment
+# from the local cluster this process starts.
+IDLE_ENV = {
+    # The controller's reconcile loop (default 0.1 s: ~4% of a core on an idle app here). Replica
+    # health checks (deployment options, 5-10 s) and Ray's actor death notices drive failure
+    # handling, not this loop; it only sets how soon the controller acts on what they report
+    # (a dead replica is replaced ~1 s later) and adds a few seconds to `serve.run`.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    # Every replica and every handle's router refresh their queue/running gauges this often
+    # (default 100 ms); once a second is plenty for a dashboard.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
+
+def idle_env() -> None:
+    for name, value in IDLE_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def loopback_env() -> None:
@@ -65,6 +88,7 @@ def check_ports_free(ports: dict[str, int], host: str = "127.0.0.1") -> None:
 def start_local(http_port: int = 8000, dashboard_port: int = 8265, metrics_port: int = 8080,
                 num_cpus: int | None = None) -> LocalUrls:
     loopback_env()
+    idle_env()
     check_ports_free({"the API": http_port, "Ray's dashboard": dashboard_port, "the metrics": metrics_port})
     import ray
     from ray import serve

@@ -163,6 +163,9 @@ class KVTransport(Protocol):
       frees its room for the next shards; its `data` must not be used after that.
     - `remove_peer(name)` forgets a peer; `stats()` snapshots per-peer counters; `close()` ends
       everything and is idempotent. Every method is bounded in time and thread-safe.
+    - Optional, outside the structural check: `expect_senders(expected)`, a hint from the receiving
+      side that shards are announced (True) or no longer (False). A transport that must poll for
+      arrivals (NIXL) polls fast while they are expected and rarely when idle; others need not have it.
     """
 
     name: str

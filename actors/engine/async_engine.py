@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 30.0  # an idle engine loop's longest sleep: work wakes it at once, this is only a backstop
 
 
 class EngineDeadSignal(Exception):
@@ -209,7 +210,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         with self._lock:
             self._queues.pop(request_id, None)
-            return self.engine.abort(request_id) is not None
+            found = self.engine.abort(request_id) is not None
+        self._wakeup.set()  # its freed blocks may let a waiting request in
+        return found
 
     def stats(self):  # type: ignore[no-untyped-def]
         with self._lock:
@@ -243,6 +246,9 @@ class AsyncEngine:
                 # bookkeeping only, never for a whole step.
                 with self._lock:
                     self._step_done.wait_for(lambda: self._num_between == 0)
+                    # Cleared before looking for work, under the lock every add takes: a wake-up
+                    # set after this is kept for the wait below, so an idle wait can never miss one.
+                    self._wakeup.clear()
                     prepared = self.engine.prepare_step()
                     self._forward_running = busy = prepared is not None
                 if busy:
@@ -277,8 +283,9 @@ class AsyncEngine:
                     for loop, batch in batches.items():
                         loop.call_soon_threadsafe(_deliver, batch)
             if not busy:
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
+                # Idle means idle: every change that can make work (an add, a commit, a
+                # `locked`/`between_steps` call, shutdown) sets `_wakeup`; the timeout is a backstop only.
+                self._wakeup.wait(timeout=IDLE_WAIT_S)
 
 
 def _deliver(batch: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:

@@ -6,7 +6,10 @@ becomes `actors.errors.Refused` (HTTP 429 + Retry-After and friends); no answer 
 or slow) means the router places the request with its local policy and the actor is left alone for
 `down_backoff_s`. Everything else is off the hot path: notifications (placed, stages, tokens,
 done) are buffered and sent, with the workers' loads as heartbeats, by one background reporter
-every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. Every
+every `report_interval_s`; unacknowledged batches are re-sent with their sequence numbers. When
+there is nothing to tell (no request in flight here or queued at the scheduler, nothing unsent or
+unacknowledged), the reporter only heartbeats, every `idle_report_interval_s` (well inside the
+scheduler's heartbeat timeout), and wakes at once for the next request's first event. Every
 `telemetry_interval_s` the reporter also relays each worker's engine telemetry (step times for
 the scheduler's step-time models, prefix-cache changes for its prefix index), read after the
 cursors the scheduler's last acknowledgement gave, so the scheduler applies each once (and, when a
@@ -48,13 +51,15 @@ from actors.messages import GenerationRequest, TelemetryCursor
 from cluster.admission import Refusal
 from cluster.config import SchedulerConfig
 from cluster.descriptors import RequestId
-from cluster.flights import EventKind, FlightEvent, FlightState
+from cluster.flights import EventKind, FlightEvent, FlightState, ReportAck
 from cluster.placement import Placement
 from cluster.router.adapters import (PoolHoldingsRead, flight_state, pool_cursors, pool_telemetry, refusal_error,
                                      request_desc, telemetry_cursor, worker_load, worker_telemetry)
 from cluster.router.control import FlightSource, Planned
+from cluster.router.event_buffer import EventBuffer
 from cluster.router.flight import PREEMPTED, InFlight
 from cluster.router.link_config import LinkConfig, LinkStats
+from cluster.router.pacer import ReportPacer
 from cluster.router.recovery_order import RecoveryOrder
 from cluster.scaling import ScaleAdvice
 from cluster.tenants import TenantRegistry
@@ -70,6 +75,9 @@ class SchedulerLink:
         self.actor = actor
         self.cfg = cfg or LinkConfig()
         sched_cfg = sched_cfg or SchedulerConfig()
+        # Idle heartbeats at most a quarter of the scheduler's heartbeat timeout apart: three can be lost.
+        self.pacer = ReportPacer(self.cfg.report_interval_s,
+                                 min(self.cfg.idle_report_interval_s, sched_cfg.heartbeat_timeout_s / 4))
         self._recovery_order = RecoveryOrder(TenantRegistry(sched_cfg.tenants, sched_cfg.default_tenant),
                                              sched_cfg.batch_deadline_s)
         # Prompt block hashes mean something to the scheduler only in blocks of its own size.
@@ -85,8 +93,7 @@ class SchedulerLink:
         self._cursors: dict[str, TelemetryCursor] = {}  # the scheduler's, from its last ack
         self._telemetry_due = 0.0
         self._pool_holdings: PoolHoldingsRead | None = None
-        self._events: list[FlightEvent] = []  # not sent yet; TOKENS entries are filled at flush
-        self._token_times: dict[str, tuple[int, list[float]]] = {}  # rid -> (index in _events, times)
+        self._events = EventBuffer()  # not sent yet
         self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
         self._seq = itertools.count(1)
         self._notices_seen: tuple[str, int] | None = None  # (incarnation, last notice acted on)
@@ -107,6 +114,7 @@ class SchedulerLink:
 
     async def admit(self, req: GenerationRequest) -> Placement | None:
         self._start()
+        self.pacer.poke()
         if self.available:
             try:
                 await asyncio.wait_for(self._ready.wait(), self.cfg.ready_timeout_s)
@@ -139,9 +147,7 @@ class SchedulerLink:
     async def recover(self, dead: frozenset[str], flights: Sequence[InFlight]) -> list[tuple[InFlight, Planned]]:
         self._start()
         victims = {f.request_id for f in flights}
-        self._events = [e for e in self._events if e.request_id not in victims]  # the states supersede them
-        self._token_times = {r: v for r, v in self._token_times.items() if r not in victims}
-        self._reindex_tokens()
+        self._events.drop(victims)  # the states supersede them
         if self.available:
             states = [self._state(f) for f in flights]
             try:
@@ -201,13 +207,7 @@ class SchedulerLink:
         self._push(FlightEvent(EventKind.STAGE, RequestId(flight.request_id), t, stage=stage))
 
     def on_tokens(self, flight: InFlight, num_tokens: int, t: float) -> None:
-        rid = flight.request_id
-        entry = self._token_times.get(rid)
-        if entry is None:
-            self._token_times[rid] = (len(self._events), [t] * num_tokens)
-            self._events.append(FlightEvent(EventKind.TOKENS, RequestId(rid)))
-        else:
-            entry[1].extend([t] * num_tokens)
+        self._events.tokens(flight.request_id, num_tokens, t)
 
     def on_done(self, flight: InFlight, finished: bool, t: float) -> None:
         rid = RequestId(flight.request_id)
@@ -226,18 +226,8 @@ class SchedulerLink:
         return flight_state(flight, self._hashes.get(rid, ()))
 
     def _push(self, event: FlightEvent) -> None:
-        self._seal(event.request_id)  # tokens so far go before this event, later ones after it
-        self._events.append(event)
-
-    def _seal(self, rid: str) -> None:
-        entry = self._token_times.pop(rid, None)
-        if entry is not None:
-            i, times = entry
-            self._events[i] = FlightEvent(EventKind.TOKENS, RequestId(rid), times[-1], times=tuple(times))
-
-    def _reindex_tokens(self) -> None:
-        where = {e.request_id: i for i, e in enumerate(self._events) if e.kind is EventKind.TOKENS}
-        self._token_times = {r: (where[r], times) for r, (_, times) in self._token_times.items() if r in where}
+        self._events.push(event)
+        self.pacer.poke()
 
     def _readopt(self, rids: Sequence[RequestId]) -> None:
         flights = {f.request_id: f for f in (self._source.in_flight() if self._source else [])}
@@ -280,12 +270,6 @@ class SchedulerLink:
             if resumed:
                 self.stats.num_resumed += 1
 
-    def _take_events(self) -> list[FlightEvent]:
-        for rid in list(self._token_times):
-            self._seal(rid)
-        events, self._events = self._events, []
-        return events
-
     # ---- the reporter: heartbeats, events, restarts ------------------------------------------
 
     @property
@@ -302,6 +286,7 @@ class SchedulerLink:
         if self._loop is not loop or self._reporter is None or self._reporter.done():
             if self._loop is not loop:
                 self._loop, self._ready = loop, asyncio.Event()
+                self.pacer.new_loop()
             self._reporter = asyncio.ensure_future(self._report_loop())
 
     async def _report_loop(self) -> None:
@@ -309,11 +294,12 @@ class SchedulerLink:
         # `cancelling()`: Python 3.11's wait_for can swallow a cancellation that races with its
         # result; the loop must still stop when its event loop shuts down.
         while not self._closed and not (me is not None and me.cancelling()):
+            self.pacer.round_starts()
             try:
                 await self.report_once()
             except Exception:  # noqa: BLE001 - the reporter must outlive any one bad round
                 logger.exception("scheduler report failed")
-            await asyncio.sleep(self.cfg.report_interval_s)
+            await self.pacer.pause()
 
     async def report_once(self) -> None:
         """One round: loads, telemetry (when due) and pending events to the actor; a rebuild if
@@ -332,7 +318,7 @@ class SchedulerLink:
                     telemetry += [pool_telemetry(store_id, read) for store_id, read in stores.items()]
                 except Exception as e:  # noqa: BLE001 - the pool's index is an estimate: skip a round
                     logger.debug("no prefix-pool holdings this round: %r", e)
-        events = self._take_events()
+        events = self._events.take()
         if events:
             self._pending.append((next(self._seq), events))
         if len(self._pending) > self.cfg.max_pending_batches:
@@ -349,6 +335,7 @@ class SchedulerLink:
             self._mark_down(e)
             return
         self.stats.num_reports += 1
+        self.pacer.idle = self._nothing_to_tell(ack)
         self.stats.num_telemetry += len(telemetry)
         self._cursors = {name: telemetry_cursor(c) for name, c in ack.cursors.items()}
         self._pending = [(s, b) for s, b in self._pending if s > ack.applied_seq]
@@ -368,7 +355,7 @@ class SchedulerLink:
         if ack.needs_rebuild:
             # Everything not applied is superseded by the states taken now, in the same step.
             self._pending.clear()
-            self._take_events()
+            self._events.take()
             # Requests still being admitted are left out: their submit journals them.
             flights = [f for f in (self._source.in_flight() if self._source is not None else [])
                        if f.decode or f.phase == PREEMPTED]
@@ -384,6 +371,13 @@ class SchedulerLink:
             self.stats.num_rebuilt_requests = len(states)
         self._down_until = 0.0
         self._ready.set()
+
+    def _nothing_to_tell(self, ack: ReportAck) -> bool:
+        """After an acknowledged round: no request in flight here or queued at the scheduler (whose
+        polls expire and resume them), no notice, nothing unsent or unacknowledged."""
+        in_flight = self._source.in_flight() if self._source is not None else []
+        return not (in_flight or self._events or self._pending or ack.num_in_flight or ack.notice_seq
+                    or ack.needs_rebuild or ack.expired)
 
     def close(self) -> None:
         self._closed = True

@@ -17,10 +17,15 @@ class LinkConfig:
     block_size: int = 16  # the engines': prompts are hashed in blocks of this size
     max_pending_batches: int = 512  # unacknowledged event batches kept while the actor is away
     telemetry_interval_s: float = 0.5  # worker step times and prefix changes, relayed this often
+    # With nothing in flight and nothing to tell, reports are heartbeats only, this often (at most a
+    # quarter of the scheduler's `heartbeat_timeout_s`: workers silent that long are declared dead).
+    idle_report_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if min(self.admit_timeout_s, self.call_timeout_s, self.report_interval_s, self.telemetry_interval_s) <= 0:
-            raise ValueError("timeouts, report_interval_s and telemetry_interval_s must be positive")
+        if min(self.admit_timeout_s, self.call_timeout_s, self.report_interval_s, self.telemetry_interval_s,
+               self.idle_report_interval_s) <= 0:
+            raise ValueError("timeouts, report_interval_s, idle_report_interval_s and telemetry_interval_s must be "
+                             "positive")
 
 
 @dataclass

@@ -1,8 +1,10 @@
 import asyncio
+import threading
 import time
 
 import pytest
 
+import actors.engine.async_engine as async_engine_module
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
@@ -171,3 +173,41 @@ async def _drain(stream) -> int:
     async for out in stream:
         n += len(out.new_token_ids)
     return n
+
+
+class _ParkRecorder(threading.Event):
+    """The engine loop's wake-up event, recording each wait: its timeout, whether it was woken
+    (True) or timed out, and that the loop has parked in one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+        self.woken: list[bool] = []
+        self.parked = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        self.parked.set()
+        woken = super().wait(timeout)
+        self.woken.append(woken)
+        return woken
+
+
+def test_an_idle_engine_parks_in_its_long_wait_and_new_work_wakes_it(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(async_engine_module, "IDLE_WAIT_S", 3600.0)
+    engine = AsyncEngine(Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64)))
+    try:
+        recorder = _ParkRecorder()
+        old, engine._wakeup = engine._wakeup, recorder
+        old.set()  # past the wait the loop may already be in
+        assert recorder.parked.wait(60), "the idle engine loop never waited"
+        assert recorder.timeouts == [3600.0] and recorder.woken == []  # parked in the long wait, nothing to do
+
+        async def run() -> list[int]:
+            return [t async for out in engine.generate("r", [5, 17, 29, 31, 40], GREEDY) for t in out.new_token_ids]
+
+        # Only a wake-up gets this request going: a missed one would sleep for the hour (the guard's 120 s first).
+        assert len(asyncio.run(asyncio.wait_for(run(), 120))) == GREEDY.max_tokens
+        assert recorder.woken[0] is True  # the add woke the parked loop; it did not time out
+    finally:
+        engine.shutdown()

@@ -304,7 +304,7 @@ def test_without_the_actor_requests_are_placed_locally_and_adopted_later() -> No
     assert choice == PlacementChoice("p0", ("d0",)) and link.fallback_rank(flight.req) == 0  # interactive
     assert link.stats.num_fallback == 1 and not link.available
     # The truth is queued for the actor (an ADOPT), kept until an ack, superseded by a rebuild.
-    events = [e for _, batch in link._pending for e in batch] + link._events
+    events = [e for _, batch in link._pending for e in batch] + link._events.take()
     adopt = [e for e in events if e.kind is EventKind.ADOPT]
     assert adopt and adopt[-1].state is not None and adopt[-1].state.prefill_worker == "p0"
 

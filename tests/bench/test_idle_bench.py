@@ -1,0 +1,42 @@
+"""bench/idle.py's measurement and figures, on this process and a child it starts (the whole app
+takes a minute to start here, so the end-to-end run is not a test): every descendant is listed
+with a role, its share of one core and its wake-ups, and the JSON has the documented shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+
+from bench import idle
+
+
+def test_figures_cover_every_descendant_and_round_trip_as_json() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        rows = idle.measure(psutil.Process(), window_s=0.3)
+    finally:
+        child.kill()
+        child.wait()
+    pids = {r["pid"] for r in rows}
+    assert child.pid in pids and psutil.Process().pid in pids
+    for r in rows:
+        assert set(r) == {"pid", "role", "cpu_pct_of_core", "wakeups_per_s", "threads"}
+        assert r["cpu_pct_of_core"] >= 0 and r["wakeups_per_s"] >= 0 and r["threads"] >= 1
+    assert next(r for r in rows if r["pid"] == psutil.Process().pid)["role"] == "driver (bench)"
+    figures = json.loads(json.dumps(idle.summarize(rows, 0.3)))
+    assert set(figures) == {"window_s", "processes", "total_cpu_pct_of_core", "budget_pct_of_core", "within_budget"}
+    assert figures["total_cpu_pct_of_core"] == sum(r["cpu_pct_of_core"] for r in rows)
+    assert figures["within_budget"] == (figures["total_cpu_pct_of_core"] <= idle.BUDGET_PCT)
+    assert "% of one core" in idle.render(figures)
+
+
+def test_roles_come_from_ray_process_titles() -> None:
+    assert idle.role_of("ray::ServeReplica:ferry:decode.handle_request") == "Serve replica decode"
+    assert idle.role_of("ray::SchedulerService.report") == "actor SchedulerService"
+    assert idle.role_of("ray::ServeController") == "Serve controller"
+    assert idle.role_of("/x/ray/core/src/ray/gcs/gcs_server --port=1") == "Ray GCS"
+    assert idle.role_of("ray-dashboard-NodeHead-0 (/x/python -B -c ...)") == "Ray dashboard module NodeHead"
+    assert idle.role_of("/usr/bin/python other.py").startswith("other: ")
