@@ -13,12 +13,15 @@ import argparse
 import asyncio
 import inspect
 import json
+import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -175,3 +178,41 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    """Until the app at `url` answers `/health` with `healthy` true; TimeoutError past `timeout_s`."""
+    import httpx2
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx2.get(f"{url}/health", timeout=10, trust_env=False)
+            if r.status_code == 200 and r.json().get("healthy"):
+                return
+        except (httpx2.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not say healthy within {timeout_s:g} s")
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Ray prints its processes' messages ("(raylet) ...") on the driver's stdout: while a bench runs
+    an app, they go to stderr, so that stdout holds the figures alone (`--json` stays parseable)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import Figures, bench_parser, format_table, progress, run
+from bench.common import Figures, bench_parser, format_table, free_port, progress, run, stdout_to_stderr, wait_healthy
 
 BUDGET_PCT = 2.0  # of one core, the whole idle app (issue 38)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "serve.yaml")
@@ -147,39 +146,9 @@ def _warm_up(url: str, model: str) -> None:
     r.raise_for_status()
 
 
-def _wait_healthy(url: str, timeout_s: float) -> None:
-    import httpx2
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            r = httpx2.get(f"{url}/health", timeout=10, trust_env=False)
-            if r.status_code == 200 and r.json().get("healthy"):
-                return
-        except (httpx2.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health did not say healthy within {timeout_s:g} s")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def bench(args: argparse.Namespace) -> Figures:
-    # Ray prints its processes' messages ("(raylet) ...") on this process's stdout: they go to
-    # stderr while the app runs, so that stdout holds the figures alone (`--json` stays parseable).
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
+    with stdout_to_stderr():
         return _bench(args)
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _bench(args: argparse.Namespace) -> Figures:
@@ -189,7 +158,7 @@ def _bench(args: argparse.Namespace) -> Figures:
     # The dashboard's and the autoscaler's own metrics ports are fixed (44227, 44217): another Ray
     # cluster on this machine (a test run) would make this dashboard fail to start. Free ones instead.
     for env in ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT"):
-        os.environ.setdefault(env, str(_free_port()))
+        os.environ.setdefault(env, str(free_port()))
     from ray import serve
 
     from deploy.apps import build_app
@@ -206,7 +175,7 @@ def _bench(args: argparse.Namespace) -> Figures:
         t0 = time.perf_counter()
         serve.run(build_app(raw), name="ferry", route_prefix="/", blocking=False,
                   external_scaler_enabled=cfg.workers_as == "deployments")
-        _wait_healthy(urls.api, args.startup_timeout)
+        wait_healthy(urls.api, args.startup_timeout)
         started_s = time.perf_counter() - t0
         progress(f"healthy after {started_s:.0f} s")
         if args.warmup:

@@ -114,10 +114,13 @@ class SchedulerLink:
 
     async def admit(self, req: GenerationRequest) -> Placement | None:
         self._start()
+        stale = self.pacer.idle  # heartbeats only of late: the actor's view of the workers may be old
         self.pacer.poke()
         if self.available:
             try:
                 await asyncio.wait_for(self._ready.wait(), self.cfg.ready_timeout_s)
+                if stale:
+                    await asyncio.wait_for(self.pacer.fresh_round(), self.cfg.ready_timeout_s)
             except asyncio.TimeoutError:
                 pass
         if self._hash_prompts:
@@ -299,6 +302,7 @@ class SchedulerLink:
                 await self.report_once()
             except Exception:  # noqa: BLE001 - the reporter must outlive any one bad round
                 logger.exception("scheduler report failed")
+            self.pacer.round_ends()
             await self.pacer.pause()
 
     async def report_once(self) -> None:
