@@ -31,8 +31,16 @@ class NodeRoles:
     prefill: str | None = None
     decode: str | None = None
     cache: str | None = None
+    # What each prefill or decode worker takes of its role's resource. ROLE_SHARE (0.001): the
+    # resource only marks the nodes (GPUs or CPUs decide how many workers fit). 1: a node declaring
+    # `ferry_decode: 2` holds two decode workers, so a CPU-only node type can state its capacity
+    # (Ray node resources are whole numbers) and the autoscaler adds nodes for more workers.
+    worker_share: float = ROLE_SHARE
 
     def __post_init__(self) -> None:
+        if not 0 < self.worker_share <= 1000 or round(self.worker_share * 1e4) != self.worker_share * 1e4:
+            raise ValueError(f"placement.worker_share: {self.worker_share!r} must be in (0, 1000], in steps of "
+                             "0.0001 (Ray's resource grain)")
         for role, name in self.assigned().items():
             if not name or name in RESERVED or name.startswith("node:"):
                 raise ValueError(f"placement.{role}: {name!r} is not a custom resource name "
@@ -45,7 +53,9 @@ class NodeRoles:
     def resources(self, role: Role) -> dict[str, float]:
         """The `resources=` entry of an actor of `role` ({} when the role runs anywhere)."""
         name = getattr(self, role)
-        return {} if name is None else {name: ROLE_SHARE}
+        if name is None:
+            return {}
+        return {name: self.worker_share if role in ("prefill", "decode") else ROLE_SHARE}
 
     def options(self, role: Role) -> dict[str, Any]:
         """Keyword arguments of `.options(...)` that keep an actor of `role` on its nodes."""

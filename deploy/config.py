@@ -178,6 +178,9 @@ class PlacementSection(ConfigSection):
     prefill: str | None = Field(None, description="prefill workers, e.g. ferry_prefill")
     decode: str | None = Field(None, description="decode (or colocated) workers, e.g. ferry_decode")
     cache: str | None = Field(None, description="prefix-cache store actors, e.g. ferry_cache")
+    worker_share: float = Field(0.001, description="what each prefill/decode worker takes of its role's "
+                                "resource: 0.001 only marks the nodes; 1 makes a node declaring ferry_decode: N "
+                                "hold N decode workers (CPU-only node types; deploy/cluster-local.yaml)")
 
     @model_validator(mode="after")
     def _check(self) -> "PlacementSection":
@@ -185,7 +188,8 @@ class PlacementSection(ConfigSection):
         return self
 
     def node_roles(self) -> NodeRoles:
-        return NodeRoles(head=self.head, prefill=self.prefill, decode=self.decode, cache=self.cache)
+        return NodeRoles(head=self.head, prefill=self.prefill, decode=self.decode, cache=self.cache,
+                         worker_share=self.worker_share)
 
 
 class AppConfig(ConfigSection):

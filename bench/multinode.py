@@ -1,0 +1,439 @@
+"""Many nodes, launched by Ray's autoscaler on this machine: a burst that adds a decode node, the
+loss of that node under load, and the way back down.
+
+Mental model: `ray start --head --autoscaling-config=deploy/cluster-local.yaml` with Ray's fake
+multi-node provider (RAY_FAKE_CLUSTER=1; the YAML says why not `ray up`) starts the head, and its
+autoscaler starts the always-on `cpu_mixed` node (prefill, decode, cache roles). The app of
+deploy/serve.yaml runs on them, placed by role (`placement:`), with the scheduler's decode scaling
+on (at most 2 replicas). A burst of streams (`--streams`, one every `--interval` s, prompts of
+`--prompt-tokens`, greedy, `--max-tokens` each) fills the decode rows: the scheduler advises a
+second decode replica, which can only go on a `cpu_decode` node (each node holds one decode
+worker), so it waits while the autoscaler starts one. Once the new worker serves, that node is
+killed at once, every process of it (`--no-node-loss` skips this): its streams resume elsewhere,
+and the deployment's replacement replica asks the autoscaler for a node again. After the burst the
+advice falls back to one replica and the idle node is stopped (`idle_timeout_minutes`). Then the
+cluster is torn down (every process `ray start` started, by PID) and the engine alone computes the
+greedy reference: a stream counts as identical when its text equals it.
+
+Figures: the nodes seen (type, when up, when gone, how), requests sent / finished / refused (429 or
+503, with Retry-After) / lost (an error, a broken stream, a hang past --request-timeout) /
+identical, TTFT p50/p99 of the requests sent before the added node's worker served ("during
+scale-up") and after, the most decode replicas, and the times of each step. Everything binds
+127.0.0.1.
+
+    python -m bench.multinode [--streams 16] [--interval 1] [--prompt-tokens 512] [--max-tokens 128]
+                              [--rows 4] [--no-node-loss] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from bench.common import Figures, bench_parser, format_table, free_port, progress, run, stdout_to_stderr, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_CONFIG = REPO / "deploy" / "cluster-local.yaml"
+SERVE_CONFIG = REPO / "deploy" / "serve.yaml"
+APP = "ferry"
+PLACEMENT = {"head": "ferry_head", "prefill": "ferry_prefill", "decode": "ferry_decode", "cache": "ferry_cache"}
+# A lost node is declared dead after 5 missed 1 s health checks (Ray's default: 5 x 3 s).
+SYSTEM_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
+
+
+def node_type(resources: dict[str, float]) -> str:
+    """The node type of deploy/cluster-local.yaml a node's resources say it is."""
+    if "ferry_head" in resources:
+        return "head"
+    if "ferry_prefill" in resources:
+        return "cpu_mixed"
+    if "ferry_decode" in resources:
+        return "cpu_decode"
+    return "other"
+
+
+@dataclass
+class Stream:
+    index: int
+    sent_s: float = 0.0  # since the burst began
+    ttft_s: float | None = None
+    status: int | None = None
+    text: str = ""
+    error: str | None = None
+    done: bool = False  # the stream ended with [DONE]
+
+    @property
+    def outcome(self) -> str:
+        if self.status in (429, 503):
+            return "refused"
+        return "finished" if self.done and self.error is None and self.status == 200 else "lost"
+
+
+@dataclass
+class Watch:
+    """Nodes and decode replicas over time, polled from the driver (`poll`, every 0.5 s)."""
+
+    t0: float
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> type, up_s, gone_s, how
+    replicas: list[tuple[float, int]] = field(default_factory=list)  # (s, decode replicas not stopping)
+    killed: set[str] = field(default_factory=set)
+
+    def poll(self) -> None:
+        import ray
+        from ray import serve
+
+        now = time.monotonic() - self.t0
+        for n in ray.nodes():
+            entry = self.nodes.setdefault(n["NodeID"], {"type": node_type(n["Resources"]), "up_s": None,
+                                                        "gone_s": None, "how": None})
+            if n["Alive"] and entry["up_s"] is None:
+                entry["up_s"] = round(now, 1)
+            if not n["Alive"] and entry["gone_s"] is None:
+                entry["gone_s"] = round(now, 1)
+                entry["how"] = "killed" if n["NodeID"] in self.killed else "stopped by the autoscaler"
+        try:
+            states = serve.status().applications[APP].deployments["decode"].replica_states
+        except (KeyError, AttributeError):
+            return
+        self.replicas.append((round(now, 1), sum(k for s, k in states.items() if s != "STOPPING")))
+
+    def alive(self, kind: str) -> list[str]:
+        return [nid for nid, e in self.nodes.items() if e["type"] == kind and e["up_s"] is not None
+                and e["gone_s"] is None]
+
+    def decode_replicas(self) -> int:
+        return self.replicas[-1][1] if self.replicas else 0
+
+
+def start_head(config: Path, gcs_port: int, dashboard_port: int, log: Path) -> subprocess.Popen[bytes]:
+    """`ray start --head --block` with the fake provider's autoscaler reading `config`."""
+    cfg = yaml.safe_load(config.read_text())
+    head = dict(cfg["available_node_types"][cfg["head_node_type"]]["resources"])
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1"}
+    for var in ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT"):  # fixed by default: another cluster may hold them
+        env.setdefault(var, str(free_port()))
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    cmd = [ray_bin, "start", "--head", "--block", f"--port={gcs_port}", f"--autoscaling-config={config}",
+           f"--num-cpus={int(head.pop('CPU', 1))}", f"--resources={json.dumps(head)}",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats",
+           f"--metrics-export-port={free_port()}", f"--system-config={json.dumps(SYSTEM_CONFIG)}"]
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def kill_tree(root: psutil.Process) -> int:
+    """SIGKILLs `root` and every process under it at once; how many there were."""
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs)
+
+
+def kill_node(head: psutil.Process, node_id: str) -> int:
+    """A lost machine: the node's raylet and everything under it (its workers, agents, object store)."""
+    for p in head.children(recursive=True):
+        try:
+            if p.name() == "raylet" and any(node_id in arg for arg in p.cmdline()):
+                return kill_tree(p)
+        except psutil.NoSuchProcess:
+            continue
+    raise RuntimeError(f"no raylet of node {node_id} under the head's processes")
+
+
+def prompts_of(model: str, num_tokens: int, count: int) -> list[str]:
+    """`count` distinct texts of about `num_tokens` tokens: windows of the README."""
+    from actors.engine.fetch import resolve_model
+    from actors.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model(model))
+    ids = tok.encode((REPO / "README.md").read_text())
+    step = max(1, (len(ids) - num_tokens) // max(1, count))
+    return [tok.decode(ids[i * step : i * step + num_tokens]) for i in range(count)]
+
+
+def stream_one(url: str, model: str, prompt: str, s: Stream, max_tokens: int, t0: float, timeout_s: float) -> None:
+    import httpx2
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    s.sent_s = time.monotonic() - t0
+    try:
+        with httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s, trust_env=False) as r:
+            s.status = r.status_code
+            if r.status_code != 200:
+                s.error = r.read().decode(errors="replace")[:200]
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    s.done = True
+                    return
+                event = json.loads(line[6:])
+                if "error" in event:
+                    s.error = str(event["error"])[:200]
+                    return
+                if s.ttft_s is None:
+                    s.ttft_s = time.monotonic() - t0 - s.sent_s
+                s.text += event["choices"][0].get("text", "")
+    except Exception as e:  # noqa: BLE001 - any failure of a stream is a lost request, reported
+        s.error = f"{type(e).__name__}: {e}"[:200]
+
+
+def app_config(args: argparse.Namespace) -> dict[str, Any]:
+    from deploy.config import read_args
+
+    raw = read_args(str(SERVE_CONFIG))
+    raw["model"] = args.model
+    raw["placement"] = {**PLACEMENT, "worker_share": 1}  # one worker of a role per unit a node declares
+    raw.setdefault("engine", {})["max_num_seqs"] = args.rows
+    raw.setdefault("scheduler", {})["scaling"] = {"max_decode": 2, "up_delay_s": 1.0, "down_delay_s": 5.0}
+    return raw
+
+
+def bench(args: argparse.Namespace) -> Figures:
+    with stdout_to_stderr():
+        return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> Figures:
+    from deploy.local import idle_env, loopback_env
+
+    loopback_env()  # before ray is imported: every node this cluster starts inherits it
+    idle_env()
+    raw = app_config(args)
+    prompts = prompts_of(args.model, args.prompt_tokens, args.streams)
+    work = Path(tempfile.mkdtemp(prefix="ferry-multinode-"))
+    gcs_port = args.gcs_port or free_port()
+    cluster_cfg = yaml.safe_load(CLUSTER_CONFIG.read_text())
+    cluster_cfg["provider"]["gcs_address"] = f"127.0.0.1:{gcs_port}"
+    config = work / "cluster-local.yaml"
+    config.write_text(yaml.safe_dump(cluster_cfg))
+    t0 = time.monotonic()
+    progress(f"starting the head (GCS 127.0.0.1:{gcs_port}; its log {work / 'ray-start.log'}) ...")
+    head = start_head(config, gcs_port, free_port(), work / "ray-start.log")
+    watch = Watch(t0)
+    streams = [Stream(i) for i in range(args.streams)]
+    marks: dict[str, float] = {}
+    stop = threading.Event()
+    import ray
+    from ray import serve
+
+    try:
+        _connect(ray, gcs_port, head)
+        marks["head_up_s"] = time.monotonic() - t0
+
+        def watching() -> None:
+            while not stop.is_set():
+                try:
+                    watch.poll()
+                except Exception as e:  # noqa: BLE001 - a poll during a node's death can fail; the next one runs
+                    progress(f"poll failed: {e!r}")
+                stop.wait(0.5)
+
+        watcher = threading.Thread(target=watching, daemon=True)
+        watcher.start()
+        _until(lambda: watch.alive("cpu_mixed"), args.node_timeout, "the autoscaler never started cpu_mixed")
+        marks["mixed_node_up_s"] = time.monotonic() - t0
+        progress(f"cpu_mixed node up at {marks['mixed_node_up_s']:.0f} s; starting the app ({args.model}) ...")
+        from deploy.apps import build_app
+
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
+        serve.run(build_app(raw), name=APP, route_prefix="/", blocking=False, external_scaler_enabled=True)
+        url = f"http://127.0.0.1:{args.port}"
+        wait_healthy(url, args.startup_timeout)
+        marks["app_healthy_s"] = time.monotonic() - t0
+        progress(f"healthy at {marks['app_healthy_s']:.0f} s; burst of {args.streams} streams ...")
+        _burst(url, args, prompts, streams, watch, marks, head)
+        progress("burst over; waiting for one decode replica and no cpu_decode node ...")
+        try:
+            _until(lambda: watch.decode_replicas() == 1 and not watch.alive("cpu_decode"), args.down_timeout,
+                   "no scale-down")
+            marks["scaled_down_s"] = time.monotonic() - t0
+        except TimeoutError as e:
+            progress(str(e))
+    finally:
+        stop.set()
+        progress("tearing the cluster down ...")
+        try:
+            serve.shutdown()
+        except Exception as e:  # noqa: BLE001 - the cluster goes anyway
+            progress(f"serve.shutdown: {e!r}")
+        ray.shutdown()
+        killed = kill_tree(psutil.Process(head.pid))
+        progress(f"ended {killed} processes of the cluster")
+    figures = summarize(streams, watch, marks)
+    figures["identical"] = _identical(args, prompts, streams) if args.reference else None
+    figures["setup"] = {"model": args.model, "streams": args.streams, "interval_s": args.interval,
+                        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": args.rows,
+                        "node_loss": args.node_loss, "cluster_config": str(CLUSTER_CONFIG.relative_to(REPO))}
+    shutil.rmtree(work, ignore_errors=True)
+    return figures
+
+
+def _connect(ray: Any, gcs_port: int, head: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        if head.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {head.returncode}")
+        try:
+            ray.init(address=f"127.0.0.1:{gcs_port}", log_to_driver=False)
+            return
+        except (ConnectionError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _until(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def _decode_workers(url: str) -> dict[str, dict[str, Any]]:
+    """The decode workers `/health` lists, by name ({} when it does not answer)."""
+    import httpx2
+
+    try:
+        report = httpx2.get(f"{url}/health", timeout=10, trust_env=False).json()
+    except (httpx2.HTTPError, ValueError):
+        return {}
+    return {name: w for name, w in report.get("workers", {}).items() if w.get("kind") == "decode"}
+
+
+def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list[Stream], watch: Watch,
+           marks: dict[str, float], head: subprocess.Popen[bytes]) -> None:
+    t0 = watch.t0
+    burst_t0 = time.monotonic()
+    import httpx2
+
+    model = httpx2.get(f"{url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+    first = set(_decode_workers(url))  # the mixed node's decode worker
+    with ThreadPoolExecutor(len(streams)) as pool:
+        futures = []
+        for s, prompt in zip(streams, prompts):
+            futures.append(pool.submit(stream_one, url, model, prompt, s, args.max_tokens, t0, args.request_timeout))
+            time.sleep(args.interval)
+        while not all(f.done() for f in futures):
+            added = watch.alive("cpu_decode")
+            if added and "added_node_up_s" not in marks:
+                marks["added_node_up_s"] = time.monotonic() - t0
+                progress(f"the autoscaler added a cpu_decode node at {marks['added_node_up_s']:.0f} s")
+            new = {n: w for n, w in _decode_workers(url).items() if n not in first} if added else {}
+            if new and "added_worker_serving_s" not in marks:
+                marks["added_worker_serving_s"] = time.monotonic() - t0
+                progress(f"its decode worker serves at {marks['added_worker_serving_s']:.0f} s")
+            rows = sum(w.get("running", 0) for w in new.values())
+            if new and args.node_loss and "node_killed_s" not in marks and (rows or all(f.done() for f in futures)):
+                watch.killed.add(added[0])
+                marks["node_killed_s"] = time.monotonic() - t0
+                marks["rows_on_killed_node"] = rows
+                n = kill_node(psutil.Process(head.pid), added[0])
+                progress(f"killed the added node ({n} processes) with {rows} rows decoding on it and "
+                         f"{sum(not f.done() for f in futures)} streams running")
+            time.sleep(0.5)
+    marks["burst_s"] = time.monotonic() - burst_t0
+
+
+def _identical(args: argparse.Namespace, prompts: list[str], streams: list[Stream]) -> int:
+    """How many finished streams equal the engine alone, greedy (computed after the cluster is gone)."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import Engine
+    from actors.engine.sampling import SamplingParams
+
+    progress("the engine alone's greedy reference ...")
+    engine = Engine.from_pretrained(args.model, EngineConfig(kv_cache_bytes=256 << 20))
+    want = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
+    return sum(s.outcome == "finished" and s.text == w.text for s, w in zip(streams, want))
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """The nearest-rank `q`th percentile, rounded to 0.1 s; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))], 1)
+
+
+def summarize(streams: list[Stream], watch: Watch, marks: dict[str, float]) -> Figures:
+    serving = marks.get("added_worker_serving_s", float("inf"))  # sent before it: during the scale-up
+    during = [s.ttft_s for s in streams if s.ttft_s is not None and s.sent_s < serving]
+    after = [s.ttft_s for s in streams if s.ttft_s is not None and s.sent_s >= serving]
+    outcomes = [s.outcome for s in streams]
+    return {
+        "nodes": [{"node_id": nid[-8:], **e} for nid, e in watch.nodes.items()],
+        "requests": {"sent": len(streams), "finished": outcomes.count("finished"),
+                     "refused": outcomes.count("refused"), "lost": outcomes.count("lost")},
+        "errors": [f"stream {s.index}: {s.status} {s.error}" for s in streams if s.outcome != "finished"][:10],
+        "ttft_s": {"scale_up_p50": _pct(during, 50), "scale_up_p99": _pct(during, 99),
+                   "after_p50": _pct(after, 50), "after_p99": _pct(after, 99)},
+        "max_decode_replicas": max((n for _, n in watch.replicas), default=0),
+        "rows_on_killed_node": marks.get("rows_on_killed_node"),  # decode rows the lost node held
+        "marks_s": {k: round(v, 1) for k, v in marks.items() if k.endswith("_s")},
+    }
+
+
+def render(f: Figures) -> str:
+    r, t = f["requests"], f["ttft_s"]
+    nodes = format_table(["node", "type", "up (s)", "gone (s)", "how"],
+                         [(n["node_id"], n["type"], n["up_s"], n["gone_s"], n["how"] or "") for n in f["nodes"]],
+                         title=f"nodes of {f['setup']['cluster_config']} (Ray's fake multi-node autoscaler)")
+    reqs = format_table(
+        ["sent", "finished", "refused", "lost", "identical", "TTFT p50 / p99 scale-up (s)", "after (s)",
+         "max decode replicas", "rows on the killed node"],
+        [(r["sent"], r["finished"], r["refused"], r["lost"], f["identical"], f"{t['scale_up_p50']} / {t['scale_up_p99']}",
+          f"{t['after_p50']} / {t['after_p99']}", f["max_decode_replicas"], f["rows_on_killed_node"])],
+        title=f"burst: {f['setup']['streams']} streams of {f['setup']['prompt_tokens']} prompt tokens, "
+              f"{f['setup']['max_tokens']} out, one every {f['setup']['interval_s']:g} s")
+    marks = format_table(["step", "at (s)"], list(f["marks_s"].items()), title="timeline")
+    return "\n\n".join([nodes, reqs, marks, *f["errors"]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser(__doc__, model="smollm2")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between two streams' starts")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rows", type=int, default=4, help="decode rows per engine (max_num_seqs)")
+    p.add_argument("--node-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="kill the added decode node once its worker serves (default on)")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare each stream with the engine alone, greedy (default on)")
+    p.add_argument("--port", type=int, default=18001, help="the API's port (not 8000: a running ferry may have it)")
+    p.add_argument("--gcs-port", type=int, default=0, help="0: a free one")
+    p.add_argument("--node-timeout", type=float, default=180.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--down-timeout", type=float, default=240.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    if args.streams < 1 or args.interval < 0 or args.prompt_tokens < 1 or args.max_tokens < 1:
+        p.error("--streams, --prompt-tokens and --max-tokens must be positive, --interval non-negative")
+    run(bench, args, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
