@@ -8,8 +8,9 @@ deploy/serve.yaml runs on them, placed by role (`placement:`), with the schedule
 on (at most 2 replicas). A burst of streams (`--streams`, one every `--interval` s, prompts of
 `--prompt-tokens`, greedy, `--max-tokens` each) fills the decode rows: the scheduler advises a
 second decode replica, which can only go on a `cpu_decode` node (each node holds one decode
-worker), so it waits while the autoscaler starts one. Once the new worker serves, that node is
-killed at once, every process of it (`--no-node-loss` skips this): its streams resume elsewhere,
+worker), so it waits while the autoscaler starts one. Once the new worker serves, a second wave
+(`--second-wave`, at once) gives it rows; once it decodes some, its node is killed at once, every
+process of it (`--no-node-loss` skips this): its streams resume elsewhere,
 and the deployment's replacement replica asks the autoscaler for a node again. After the burst the
 advice falls back to one replica and the idle node is stopped (`idle_timeout_minutes`). Then the
 cluster is torn down (every process `ray start` started, by PID) and the engine alone computes the
@@ -21,8 +22,8 @@ identical, TTFT p50/p99 of the requests sent before the added node's worker serv
 scale-up") and after, the most decode replicas, and the times of each step. Everything binds
 127.0.0.1.
 
-    python -m bench.multinode [--streams 16] [--interval 1] [--prompt-tokens 512] [--max-tokens 128]
-                              [--rows 4] [--no-node-loss] [--json]
+    python -m bench.multinode [--streams 16] [--second-wave 8] [--interval 1] [--prompt-tokens 512]
+                              [--max-tokens 128] [--rows 4] [--no-node-loss] [--json]
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def _bench(args: argparse.Namespace) -> Figures:
     loopback_env()  # before ray is imported: every node this cluster starts inherits it
     idle_env()
     raw = app_config(args)
-    prompts = prompts_of(args.model, args.prompt_tokens, args.streams)
+    prompts = prompts_of(args.model, args.prompt_tokens, args.streams + args.second_wave)
     work = Path(tempfile.mkdtemp(prefix="ferry-multinode-"))
     gcs_port = args.gcs_port or free_port()
     cluster_cfg = yaml.safe_load(CLUSTER_CONFIG.read_text())
@@ -232,7 +233,7 @@ def _bench(args: argparse.Namespace) -> Figures:
     progress(f"starting the head (GCS 127.0.0.1:{gcs_port}; its log {work / 'ray-start.log'}) ...")
     head = start_head(config, gcs_port, free_port(), work / "ray-start.log")
     watch = Watch(t0)
-    streams = [Stream(i) for i in range(args.streams)]
+    streams = [Stream(i) for i in range(args.streams + args.second_wave)]
     marks: dict[str, float] = {}
     stop = threading.Event()
     import ray
@@ -283,7 +284,8 @@ def _bench(args: argparse.Namespace) -> Figures:
         progress(f"ended {killed} processes of the cluster")
     figures = summarize(streams, watch, marks)
     figures["identical"] = _identical(args, prompts, streams) if args.reference else None
-    figures["setup"] = {"model": args.model, "streams": args.streams, "interval_s": args.interval,
+    figures["setup"] = {"model": args.model, "streams": args.streams, "second_wave": args.second_wave,
+                        "interval_s": args.interval,
                         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": args.rows,
                         "node_loss": args.node_loss, "cluster_config": str(CLUSTER_CONFIG.relative_to(REPO))}
     shutil.rmtree(work, ignore_errors=True)
@@ -325,17 +327,26 @@ def _decode_workers(url: str) -> dict[str, dict[str, Any]]:
 
 def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list[Stream], watch: Watch,
            marks: dict[str, float], head: subprocess.Popen[bytes]) -> None:
-    t0 = watch.t0
-    burst_t0 = time.monotonic()
+    """The first `args.streams` streams, one every `args.interval` s; once the added node's decode
+    worker serves, the second wave (`args.second_wave`, at once), so that it takes rows; once it
+    decodes some, its node is killed (with `args.node_loss`). Returns when every stream has ended."""
     import httpx2
 
+    t0 = watch.t0
+    burst_t0 = time.monotonic()
     model = httpx2.get(f"{url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
     first = set(_decode_workers(url))  # the mixed node's decode worker
+    waves = (streams[:args.streams], streams[args.streams:])
     with ThreadPoolExecutor(len(streams)) as pool:
         futures = []
-        for s, prompt in zip(streams, prompts):
-            futures.append(pool.submit(stream_one, url, model, prompt, s, args.max_tokens, t0, args.request_timeout))
-            time.sleep(args.interval)
+
+        def send(wave: list[Stream], interval_s: float) -> None:
+            for s in wave:
+                futures.append(pool.submit(stream_one, url, model, prompts[s.index], s, args.max_tokens, t0,
+                                           args.request_timeout))
+                time.sleep(interval_s)
+
+        send(waves[0], args.interval)
         while not all(f.done() for f in futures):
             added = watch.alive("cpu_decode")
             if added and "added_node_up_s" not in marks:
@@ -344,9 +355,11 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
             new = {n: w for n, w in _decode_workers(url).items() if n not in first} if added else {}
             if new and "added_worker_serving_s" not in marks:
                 marks["added_worker_serving_s"] = time.monotonic() - t0
-                progress(f"its decode worker serves at {marks['added_worker_serving_s']:.0f} s")
+                progress(f"its decode worker serves at {marks['added_worker_serving_s']:.0f} s; "
+                         f"second wave of {len(waves[1])} streams")
+                send(waves[1], 0.1)
             rows = sum(w.get("running", 0) for w in new.values())
-            if new and args.node_loss and "node_killed_s" not in marks and (rows or all(f.done() for f in futures)):
+            if rows and args.node_loss and "node_killed_s" not in marks:
                 watch.killed.add(added[0])
                 marks["node_killed_s"] = time.monotonic() - t0
                 marks["rows_on_killed_node"] = rows
@@ -406,14 +419,17 @@ def render(f: Figures) -> str:
         [(r["sent"], r["finished"], r["refused"], r["lost"], f["identical"], f"{t['scale_up_p50']} / {t['scale_up_p99']}",
           f"{t['after_p50']} / {t['after_p99']}", f["max_decode_replicas"], f["rows_on_killed_node"])],
         title=f"burst: {f['setup']['streams']} streams of {f['setup']['prompt_tokens']} prompt tokens, "
-              f"{f['setup']['max_tokens']} out, one every {f['setup']['interval_s']:g} s")
+              f"{f['setup']['max_tokens']} out, one every {f['setup']['interval_s']:g} s, then "
+              f"{f['setup'].get('second_wave', 0)} at once when the added node serves")
     marks = format_table(["step", "at (s)"], list(f["marks_s"].items()), title="timeline")
     return "\n\n".join([nodes, reqs, marks, *f["errors"]])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser(__doc__, model="smollm2")
-    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--streams", type=int, default=16, help="streams of the first wave")
+    p.add_argument("--second-wave", type=int, default=8,
+                   help="streams sent at once when the added node's worker serves (it takes some)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between two streams' starts")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -429,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down-timeout", type=float, default=240.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
-    if args.streams < 1 or args.interval < 0 or args.prompt_tokens < 1 or args.max_tokens < 1:
+    if args.streams < 1 or args.second_wave < 0 or args.interval < 0 or args.prompt_tokens < 1 or args.max_tokens < 1:
         p.error("--streams, --prompt-tokens and --max-tokens must be positive, --interval non-negative")
     run(bench, args, render)
     return 0
