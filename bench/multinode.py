@@ -235,6 +235,7 @@ def _bench(args: argparse.Namespace) -> Figures:
     watch = Watch(t0)
     streams = [Stream(i) for i in range(args.streams + args.second_wave)]
     marks: dict[str, float] = {}
+    peak_rows: dict[str, int] = {}
     stop = threading.Event()
     import ray
     from ray import serve
@@ -264,7 +265,7 @@ def _bench(args: argparse.Namespace) -> Figures:
         wait_healthy(url, args.startup_timeout)
         marks["app_healthy_s"] = time.monotonic() - t0
         progress(f"healthy at {marks['app_healthy_s']:.0f} s; burst of {args.streams} streams ...")
-        _burst(url, args, prompts, streams, watch, marks, head)
+        peak_rows = _burst(url, args, prompts, streams, watch, marks, head)
         progress("burst over; waiting for one decode replica and no cpu_decode node ...")
         try:
             _until(lambda: watch.decode_replicas() == 1 and not watch.alive("cpu_decode"), args.down_timeout,
@@ -283,6 +284,7 @@ def _bench(args: argparse.Namespace) -> Figures:
         killed = kill_tree(psutil.Process(head.pid))
         progress(f"ended {killed} processes of the cluster")
     figures = summarize(streams, watch, marks)
+    figures["peak_rows_by_decode_worker"] = peak_rows
     figures["identical"] = _identical(args, prompts, streams) if args.reference else None
     figures["setup"] = {"model": args.model, "streams": args.streams, "second_wave": args.second_wave,
                         "interval_s": args.interval,
@@ -326,16 +328,18 @@ def _decode_workers(url: str) -> dict[str, dict[str, Any]]:
 
 
 def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list[Stream], watch: Watch,
-           marks: dict[str, float], head: subprocess.Popen[bytes]) -> None:
+           marks: dict[str, float], head: subprocess.Popen[bytes]) -> dict[str, int]:
     """The first `args.streams` streams, one every `args.interval` s; once the added node's decode
     worker serves, the second wave (`args.second_wave`, at once), so that it takes rows; once it
-    decodes some, its node is killed (with `args.node_loss`). Returns when every stream has ended."""
+    decodes some, its node is killed (with `args.node_loss`). Returns when every stream has ended,
+    with the most rows each decode worker was seen decoding (`/health`, polled)."""
     import httpx2
 
     t0 = watch.t0
     burst_t0 = time.monotonic()
     model = httpx2.get(f"{url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
     first = set(_decode_workers(url))  # the mixed node's decode worker
+    peak_rows: dict[str, int] = {}
     waves = (streams[:args.streams], streams[args.streams:])
     with ThreadPoolExecutor(len(streams)) as pool:
         futures = []
@@ -352,7 +356,11 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
             if added and "added_node_up_s" not in marks:
                 marks["added_node_up_s"] = time.monotonic() - t0
                 progress(f"the autoscaler added a cpu_decode node at {marks['added_node_up_s']:.0f} s")
-            new = {n: w for n, w in _decode_workers(url).items() if n not in first} if added else {}
+            decoders = _decode_workers(url)
+            for name, w in decoders.items():  # the most rows each decode worker was seen decoding
+                label = "mixed node" if name in first else f"added {name}"
+                peak_rows[label] = max(peak_rows.get(label, 0), w.get("running", 0))
+            new = {n: w for n, w in decoders.items() if n not in first} if added else {}
             if new and "added_worker_serving_s" not in marks:
                 marks["added_worker_serving_s"] = time.monotonic() - t0
                 progress(f"its decode worker serves at {marks['added_worker_serving_s']:.0f} s; "
@@ -368,6 +376,7 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
                          f"{sum(not f.done() for f in futures)} streams running")
             time.sleep(0.5)
     marks["burst_s"] = time.monotonic() - burst_t0
+    return peak_rows
 
 
 def _identical(args: argparse.Namespace, prompts: list[str], streams: list[Stream]) -> int:
@@ -422,7 +431,9 @@ def render(f: Figures) -> str:
               f"{f['setup']['max_tokens']} out, one every {f['setup']['interval_s']:g} s, then "
               f"{f['setup'].get('second_wave', 0)} at once when the added node serves")
     marks = format_table(["step", "at (s)"], list(f["marks_s"].items()), title="timeline")
-    return "\n\n".join([nodes, reqs, marks, *f["errors"]])
+    rows = format_table(["decode worker", "most rows seen"], list(f.get("peak_rows_by_decode_worker", {}).items()),
+                        title="decode rows per worker (/health, polled)")
+    return "\n\n".join([nodes, reqs, marks, rows, *f["errors"]])
 
 
 def main(argv: list[str] | None = None) -> int:

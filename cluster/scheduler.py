@@ -133,9 +133,11 @@ class GlobalScheduler:
         local = self.cfg.placement.local_prefill and kind is not PlacementKind.REDIRECT and (
             prefill_choice is None or prefill_choice.wait_s > 0)
         feasible: list[Fit] | None = [] if local else None
+        # Rows promised to requests still prefilling count as taken: local prefills booked on a
+        # worker beyond its free rows would wait in that engine, never moving to a worker with room.
         decode_choice = self.policy.choose_decode(
             entry.tpot_s, rank == 0, num_tokens + remaining_out, num_tokens, remaining_out,
-            self.workers.decode, feasible)
+            self.workers.decode, feasible, count_committed=True)
         if feasible:
             mine = self.policy.choose_local(num_tokens, matches, rank, feasible,
                                             math.inf if prefill_choice is None else prefill_choice.ttft_s)

@@ -6,9 +6,10 @@ dashboard, Serve) bind 127.0.0.1. Ray's token auth is turned off for this local 
 reachable from this machine only, and the ferry API has its own keys. A real cluster (`ray up
 deploy/cluster.yaml`) keeps Ray's auth on.
 
-Idle means idle (issue 38): Serve's own loops wake ten times a second by default, so `start_local`
-slows the ones that only refresh bookkeeping (`IDLE_ENV`, `python -m bench.idle` measures them);
-each stays an env default an operator's own setting overrides.
+Idle means idle (issue 38): many of Serve's and Ray's own timers fire every 100-250 ms by default,
+so `start_local` slows the ones that only refresh bookkeeping (`IDLE_ENV`, `python -m bench.idle`
+measures them); each stays an env default an operator's own setting overrides. What is left is
+fixed in Ray: every worker process checks for signals every 10 ms and polls gRPC every 250 ms.
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ IDLE_ENV = {
     # Every replica and every handle's router refresh their queue/running gauges this often
     # (default 100 ms); once a second is plenty for a dashboard.
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    # The log monitor globs the log folder on every 0.1 s pass while it holds < 1000 files: list
+    # it every 5 s instead (a new worker's log reaches the driver up to 5 s later).
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",
+    # Raylet timers at 100-250 ms by default, each a bookkeeping check that one node can do once a
+    # second: the resource view sent to the GCS, object-store GC pressure, disk capacity, the
+    # object manager's retries (cross-node pulls), the memory monitor (OOM kills), idle workers.
+    "RAY_raylet_report_resources_period_milliseconds": "1000",
+    "RAY_raylet_check_gc_period_milliseconds": "1000",
+    "RAY_local_fs_monitor_interval_ms": "1000",
+    "RAY_object_manager_timer_freq_ms": "1000",
+    "RAY_memory_monitor_refresh_ms": "1000",
+    "RAY_kill_idle_workers_interval_ms": "2000",
+    # Every process: event-loop lag probes, task-event flushes (the dashboard's task list lags up
+    # to 5 s), the GCS's pull of resource loads (the autoscaler's demand), the debug-state dump.
+    "RAY_io_context_monitor_probe_interval_ms": "5000",
+    "RAY_task_events_report_interval_ms": "5000",
+    "RAY_ray_events_report_interval_ms": "5000",
+    "RAY_gcs_pull_resource_loads_period_milliseconds": "5000",
+    "RAY_report_worker_backlog_interval_ms": "5000",
+    "RAY_debug_dump_period_milliseconds": "60000",
 }
 
 

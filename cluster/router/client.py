@@ -36,8 +36,7 @@ from dataclasses import replace
 from actors.errors import NoCapacity, NoWorkers, Refused, WorkerTimeout
 from actors.messages import GenerationRequest, PrefillResult, Telemetry, TelemetryCursor, TokenEvent, WorkerLoad
 from cluster.placement import Placement
-from cluster.router.choice import (LeastLoaded, LocalPolicy, PlacementChoice,
-                                   lend_prefill)
+from cluster.router.choice import LeastLoaded, LocalPolicy, PlacementChoice, lend_prefill
 from cluster.router.config import RecoveryConfig, RouterConfig
 from cluster.router.control import ControlPlane
 from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight, StreamBroken, is_worker_failure
@@ -135,16 +134,18 @@ class Router:
                 decided = await self.control.admit(req)
                 break
             except Refused as e:
-                # Workers that just joined (Serve replicas found a moment ago) are healthy here before
-                # the scheduler's next report says so: its "none" is stale, not a verdict.
-                if e.reason != NO_HEALTHY_WORKER or not self._serves(loads) or time.monotonic() >= settle_until:
+                # A stale "none" (workers that just joined); past _SETTLE_S this router's view is the fresher.
+                if e.reason != NO_HEALTHY_WORKER or not self._serves(loads):
                     raise
+                if time.monotonic() >= settle_until:
+                    logger.warning("%s: the scheduler still sees no healthy worker; placed here", req.request_id)
+                    decided = None
+                    break
                 await asyncio.sleep(0.2)
                 loads = await self.board.loads()
         choice = self._choose(req, loads, decided)
-        if decided is None:
-            choice = replace(choice, priority=(self.control.fallback_rank(req), req.arrival_time))
-        return choice
+        local = replace(choice, priority=(self.control.fallback_rank(req), req.arrival_time))
+        return choice if decided is not None else local
 
     def _serves(self, loads: Mapping[str, WorkerLoad]) -> bool:
         """Whether this router sees a healthy worker of every kind a request needs."""

@@ -163,3 +163,23 @@ def test_a_schedulers_stale_no_healthy_worker_is_waited_out_when_the_router_sees
         return streamed_ids([e async for e in router.generate(reqs[0])])
 
     assert [asyncio.run(main())] == want and control.refusals == 0
+
+
+def test_a_scheduler_that_keeps_seeing_no_worker_is_overruled_by_the_routers_fresher_view(
+        workers: Workers, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the settle time a scheduler still answering no_healthy_worker while this router sees a
+    healthy worker of every kind is stale: the request is placed here and served, not refused."""
+    import cluster.router.client as client_module
+
+    monkeypatch.setattr(client_module, "_SETTLE_S", 0.5)
+    reqs = requests("overruled", [9])
+    want = reference(tiny_model_dir, [list(r.prompt_token_ids) for r in reqs], PARAMS)
+    control = _StaleScheduler()
+    control.refusals = 10**6  # never comes round
+
+    async def main() -> list[int]:
+        await workers.wire()
+        router = Router(workers.prefills, workers.decodes, RouterConfig(load_ttl_s=0.0), control=control)  # type: ignore[arg-type]
+        return streamed_ids([e async for e in router.generate(reqs[0])])
+
+    assert [asyncio.run(main())] == want and control.refusals < 10**6

@@ -61,7 +61,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with pytest.MonkeyPatch.context() as patch:
         recorded = install(patch)  # the instruments are made now; the fakes keep recording afterwards
         backend = RefusingBackend(async_engine, "tiny")
-        monitoring = Monitoring(backend, slos=SLOS, period_s=0.2)
+        # A window longer than any session: the traffic runs once, and a test reading it minutes later
+        # (a slow box, xdist ordering) must still see every request in it.
+        monitoring = Monitoring(backend, slos=SLOS, period_s=0.2, window_s=3600.0)
     app = build_api(backend, ApiConfig(api_keys=KEYS))
     monitoring.mount(app)
     try:
