@@ -236,6 +236,7 @@ def _bench(args: argparse.Namespace) -> Figures:
     streams = [Stream(i) for i in range(args.streams + args.second_wave)]
     marks: dict[str, float] = {}
     peak_rows: dict[str, int] = {}
+    unhealthy: list[str] = []
     stop = threading.Event()
     import ray
     from ray import serve
@@ -265,7 +266,7 @@ def _bench(args: argparse.Namespace) -> Figures:
         wait_healthy(url, args.startup_timeout)
         marks["app_healthy_s"] = time.monotonic() - t0
         progress(f"healthy at {marks['app_healthy_s']:.0f} s; burst of {args.streams} streams ...")
-        peak_rows = _burst(url, args, prompts, streams, watch, marks, head)
+        peak_rows, unhealthy = _burst(url, args, prompts, streams, watch, marks, head)
         progress("burst over; waiting for one decode replica and no cpu_decode node ...")
         try:
             _until(lambda: watch.decode_replicas() == 1 and not watch.alive("cpu_decode"), args.down_timeout,
@@ -285,6 +286,7 @@ def _bench(args: argparse.Namespace) -> Figures:
         progress(f"ended {killed} processes of the cluster")
     figures = summarize(streams, watch, marks)
     figures["peak_rows_by_decode_worker"] = peak_rows
+    figures["decode_workers_seen_unhealthy"] = unhealthy
     figures["identical"] = _identical(args, prompts, streams) if args.reference else None
     figures["setup"] = {"model": args.model, "streams": args.streams, "second_wave": args.second_wave,
                         "interval_s": args.interval,
@@ -328,11 +330,12 @@ def _decode_workers(url: str) -> dict[str, dict[str, Any]]:
 
 
 def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list[Stream], watch: Watch,
-           marks: dict[str, float], head: subprocess.Popen[bytes]) -> dict[str, int]:
+           marks: dict[str, float], head: subprocess.Popen[bytes]) -> tuple[dict[str, int], list[str]]:
     """The first `args.streams` streams, one every `args.interval` s; once the added node's decode
     worker serves, the second wave (`args.second_wave`, at once), so that it takes rows; once it
     decodes some, its node is killed (with `args.node_loss`). Returns when every stream has ended,
-    with the most rows each decode worker was seen decoding (`/health`, polled)."""
+    with the most rows each decode worker was seen decoding and those it ever listed unhealthy
+    (excluded from placement), from `/health`, polled."""
     import httpx2
 
     t0 = watch.t0
@@ -340,6 +343,7 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
     model = httpx2.get(f"{url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
     first = set(_decode_workers(url))  # the mixed node's decode worker
     peak_rows: dict[str, int] = {}
+    unhealthy_seen: set[str] = set()
     waves = (streams[:args.streams], streams[args.streams:])
     with ThreadPoolExecutor(len(streams)) as pool:
         futures = []
@@ -360,6 +364,8 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
             for name, w in decoders.items():  # the most rows each decode worker was seen decoding
                 label = "mixed node" if name in first else f"added {name}"
                 peak_rows[label] = max(peak_rows.get(label, 0), w.get("running", 0))
+                if not w.get("healthy", True):  # seen excluded from placement at least once
+                    unhealthy_seen.add(label)
             new = {n: w for n, w in decoders.items() if n not in first} if added else {}
             if new and "added_worker_serving_s" not in marks:
                 marks["added_worker_serving_s"] = time.monotonic() - t0
@@ -376,7 +382,9 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
                          f"{sum(not f.done() for f in futures)} streams running")
             time.sleep(0.5)
     marks["burst_s"] = time.monotonic() - burst_t0
-    return peak_rows
+    if unhealthy_seen:
+        progress(f"decode workers /health showed unhealthy at least once: {', '.join(sorted(unhealthy_seen))}")
+    return peak_rows, sorted(unhealthy_seen)
 
 
 def _identical(args: argparse.Namespace, prompts: list[str], streams: list[Stream]) -> int:
@@ -433,7 +441,9 @@ def render(f: Figures) -> str:
     marks = format_table(["step", "at (s)"], list(f["marks_s"].items()), title="timeline")
     rows = format_table(["decode worker", "most rows seen"], list(f.get("peak_rows_by_decode_worker", {}).items()),
                         title="decode rows per worker (/health, polled)")
-    return "\n\n".join([nodes, reqs, marks, rows, *f["errors"]])
+    down = f.get("decode_workers_seen_unhealthy") or []
+    seen = f"decode workers /health listed unhealthy at least once: {', '.join(down) or 'none'}"
+    return "\n\n".join([nodes, reqs, marks, rows, seen, *f["errors"]])
 
 
 def main(argv: list[str] | None = None) -> int:
