@@ -9,7 +9,8 @@ import json
 import yaml
 
 from bench import multinode
-from bench.multinode import Stream, Watch, node_type, summarize
+from bench.fake_cluster import Watch, node_type
+from bench.multinode import Stream, summarize
 
 
 def test_node_types_of_the_local_cluster_config_are_told_apart_by_their_resources() -> None:
