@@ -63,9 +63,12 @@ class Stream:
     text: str = ""
     error: str | None = None
     done: bool = False  # the stream ended with [DONE]
+    sent: bool = False
 
     @property
     def outcome(self) -> str:
+        if not self.sent:
+            return "not sent"
         if self.status in (429, 503):
             return "refused"
         return "finished" if self.done and self.error is None and self.status == 200 else "lost"
@@ -247,12 +250,16 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
 
         def send(wave: list[Stream], interval_s: float) -> None:
             for s in wave:
+                s.sent = True
                 futures.append(pool.submit(stream_one, url, model, prompts[s.index], s, args.max_tokens, t0,
                                            args.request_timeout))
                 time.sleep(interval_s)
 
         send(waves[0], args.interval)
-        while not all(f.done() for f in futures):
+        second_sent = not waves[1]
+        # The second wave goes when the added worker serves; if the first wave ends before that, it
+        # waits for it, at most `args.added_wait` s from the burst's start (then it is sent anyway).
+        while not (all(f.done() for f in futures) and second_sent):
             added = watch.alive("cpu_decode")
             if added and "added_node_up_s" not in marks:
                 marks["added_node_up_s"] = time.monotonic() - t0
@@ -266,16 +273,24 @@ def _burst(url: str, args: argparse.Namespace, prompts: list[str], streams: list
             new = {n: w for n, w in decoders.items() if n not in first} if added else {}
             if new and "added_worker_serving_s" not in marks:
                 marks["added_worker_serving_s"] = time.monotonic() - t0
-                progress(f"its decode worker serves at {marks['added_worker_serving_s']:.0f} s; "
-                         f"second wave of {len(waves[1])} streams")
+                progress(f"its decode worker serves at {marks['added_worker_serving_s']:.0f} s")
+            waited_out = time.monotonic() - burst_t0 > args.added_wait
+            if not second_sent and ("added_worker_serving_s" in marks or waited_out):
+                second_sent = True
+                marks["second_wave_s"] = time.monotonic() - t0
+                progress(f"second wave of {len(waves[1])} streams"
+                         + ("" if "added_worker_serving_s" in marks else " (no added worker serves yet)"))
                 send(waves[1], 0.1)
-            rows = sum(w.get("running", 0) for w in new.values())
+            # Streams placed there: rows it reported decoding, plus the router's own requests on it
+            # ("waiting" counts those in), which /health shows even when the loaded worker's load
+            # call timed out (then "running" reads 0).
+            rows = sum(w.get("running", 0) + w.get("waiting", 0) for w in new.values())
             if rows and args.node_loss and "node_killed_s" not in marks:
                 watch.killed.add(added[0])
                 marks["node_killed_s"] = time.monotonic() - t0
-                marks["rows_on_killed_node"] = rows
+                marks["streams_on_killed_node"] = rows
                 n = kill_node(psutil.Process(head.pid), added[0])
-                progress(f"killed the added node ({n} processes) with {rows} rows decoding on it and "
+                progress(f"killed the added node ({n} processes) with {rows} streams placed on it and "
                          f"{sum(not f.done() for f in futures)} streams running")
             time.sleep(0.5)
     marks["burst_s"] = time.monotonic() - burst_t0
@@ -308,13 +323,14 @@ def summarize(streams: list[Stream], watch: Watch, marks: dict[str, float]) -> F
     outcomes = [s.outcome for s in streams]
     return {
         "nodes": [{"node_id": nid[-8:], **e} for nid, e in watch.nodes.items()],
-        "requests": {"sent": len(streams), "finished": outcomes.count("finished"),
-                     "refused": outcomes.count("refused"), "lost": outcomes.count("lost")},
-        "errors": [f"stream {s.index}: {s.status} {s.error}" for s in streams if s.outcome != "finished"][:10],
+        "requests": {"sent": outcomes.count("finished") + outcomes.count("refused") + outcomes.count("lost"),
+                     "finished": outcomes.count("finished"), "refused": outcomes.count("refused"),
+                     "lost": outcomes.count("lost"), "not_sent": outcomes.count("not sent")},
+        "errors": [f"stream {s.index}: {s.status} {s.error}" for s in streams if s.outcome in ("lost", "refused")][:10],
         "ttft_s": {"scale_up_p50": _pct(during, 50), "scale_up_p99": _pct(during, 99),
                    "after_p50": _pct(after, 50), "after_p99": _pct(after, 99)},
         "max_decode_replicas": max((n for _, n in watch.replicas), default=0),
-        "rows_on_killed_node": marks.get("rows_on_killed_node"),  # decode rows the lost node held
+        "streams_on_killed_node": marks.get("streams_on_killed_node"),  # streams placed on the lost node when it went
         "marks_s": {k: round(v, 1) for k, v in marks.items() if k.endswith("_s")},
     }
 
@@ -325,10 +341,10 @@ def render(f: Figures) -> str:
                          [(n["node_id"], n["type"], n["up_s"], n["gone_s"], n["how"] or "") for n in f["nodes"]],
                          title=f"nodes of {f['setup']['cluster_config']} (Ray's fake multi-node autoscaler)")
     reqs = format_table(
-        ["sent", "finished", "refused", "lost", "identical", "TTFT p50 / p99 scale-up (s)", "after (s)",
-         "max decode replicas", "rows on the killed node"],
-        [(r["sent"], r["finished"], r["refused"], r["lost"], f["identical"], f"{t['scale_up_p50']} / {t['scale_up_p99']}",
-          f"{t['after_p50']} / {t['after_p99']}", f["max_decode_replicas"], f["rows_on_killed_node"])],
+        ["sent", "finished", "refused", "lost", "not sent", "identical", "TTFT p50 / p99 scale-up (s)", "after (s)",
+         "max decode replicas", "streams on the killed node"],
+        [(r["sent"], r["finished"], r["refused"], r["lost"], r.get("not_sent", 0), f["identical"], f"{t['scale_up_p50']} / {t['scale_up_p99']}",
+          f"{t['after_p50']} / {t['after_p99']}", f["max_decode_replicas"], f["streams_on_killed_node"])],
         title=f"burst: {f['setup']['streams']} streams of {f['setup']['prompt_tokens']} prompt tokens, "
               f"{f['setup']['max_tokens']} out, one every {f['setup']['interval_s']:g} s, then "
               f"{f['setup'].get('second_wave', 0)} at once when the added node serves")
@@ -355,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare each stream with the engine alone, greedy (default on)")
     p.add_argument("--port", type=int, default=18001, help="the API's port (not 8000: a running ferry may have it)")
     p.add_argument("--gcs-port", type=int, default=0, help="0: a free one")
+    p.add_argument("--added-wait", type=float, default=300.0,
+                   help="most seconds from the burst's start the second wave waits for the added worker")
     p.add_argument("--node-timeout", type=float, default=180.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--down-timeout", type=float, default=240.0)

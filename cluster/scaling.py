@@ -10,6 +10,9 @@ Mental model: each role has a pressure, 1.0 meaning "at its SLO limit now":
 the pressure has stayed at or above `up_at` for `up_delay_s`; one fewer once the pressure the
 remaining workers would carry (pressure x n / (n - 1)) has stayed at or below `down_at` for
 `down_delay_s`; never outside [min, max]. A role that is idle goes down to its minimum the same way.
+Never down while the worker it last added has not joined yet (a replica starts in tens of seconds,
+its node in more), unless it has not joined for `join_wait_s`: the pressure of the workers there are
+says nothing about the one still coming, and stopping it mid-start wastes the start.
 Deterministic: the caller passes the time.
 """
 
@@ -38,6 +41,7 @@ class ScalingConfig:
     down_at: float = 0.5
     up_delay_s: float = 2.0
     down_delay_s: float = 30.0
+    join_wait_s: float = 300.0  # the most a scale-down waits for the worker last added to join
 
     def __post_init__(self) -> None:
         if not 0 < self.down_at < self.up_at:
@@ -64,6 +68,7 @@ class _Role:
         self.target: int | None = None
         self._high_since: float | None = None
         self._low_since: float | None = None
+        self._raised_at = float("-inf")  # when the target last went up
 
     def advise(self, current: int, pressure: float, cfg: ScalingConfig, now: float) -> int:
         b = self.bounds
@@ -76,9 +81,11 @@ class _Role:
         low = pressure * n / max(n - 1, 1) <= cfg.down_at  # what the others would carry without one
         self._high_since = (self._high_since if self._high_since is not None else now) if high else None
         self._low_since = (self._low_since if self._low_since is not None else now) if low else None
+        joined = current >= n or now - self._raised_at >= cfg.join_wait_s
         if high and n < b.max_replicas and now - self._high_since >= cfg.up_delay_s and current >= n:
             self.target, self._high_since = n + 1, None  # one at a time, once the last one has joined
-        elif low and n > b.min_replicas and now - self._low_since >= cfg.down_delay_s:
+            self._raised_at = now
+        elif low and n > b.min_replicas and now - self._low_since >= cfg.down_delay_s and joined:
             self.target, self._low_since = n - 1, None
         elif n < b.min_replicas or n > b.max_replicas:
             self.target = min(max(n, b.min_replicas), b.max_replicas)

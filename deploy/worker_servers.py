@@ -30,12 +30,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from actors.errors import WorkerTimeout
 from actors.messages import WorkerLoad
 from actors.prefix_cache.actor import RayStoreHandle
 from actors.prefix_cache.ring import StoreId
 from actors.ray_actors import ColocatedActor, DecodeActor, PrefillActor
 from actors.worker_config import WorkerConfig
 from cluster.router.client import Router
+from cluster.router.handles import WorkerGone, WorkerUnreachable
+from cluster.router.loads import bounded
 from cluster.router.pinned_router import PinnedRouter
 from cluster.router.serve_handles import ServeWorkerHandle
 from deploy.local import bind_replica_grpc_to_loopback
@@ -174,11 +177,42 @@ class ServeWorkers:
             added = []
             for w in [*new_prefills, *new_decodes]:
                 handle = self.known[w.replica_id] = self._handle(w)
+                await self._reachable(handle)
                 self.router.add_worker("prefill" if w.kind == "prefill" else "decode", handle)
                 added.append(handle)
             if added:
                 logger.info("workers joined: %s", ", ".join(h.name for h in added))
+            await self._revive([self.known[w.replica_id] for w in [*prefills, *decodes] if w.replica_id in self.known])
             return added
+
+    async def _reachable(self, handle: ServeWorkerHandle, wait_s: float = 10.0) -> None:
+        """Until a call pinned to `handle` reaches it, at most `wait_s`: the ingress's routers learn of
+        a new replica a moment after `identify` finds it, and a pinned call before that fails as if the
+        replica were gone (PinnedRouter), which would declare a healthy new worker dead."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                await bounded(handle.load(), self.call_timeout_s, f"load of {handle.name}")
+                return
+            except (WorkerGone, WorkerTimeout) as e:
+                if time.monotonic() >= deadline:
+                    logger.warning("new worker %s not reachable yet (%s); added anyway", handle.name, e)
+                    return
+            await asyncio.sleep(0.5)
+
+    async def _revive(self, live: list[ServeWorkerHandle]) -> None:
+        """Replicas the router declared dead that still answer `identify` and report a healthy engine
+        (a pinned call raced the ingress's view of a new replica, or a slow load read as gone):
+        placeable again. Serve restarts a replica that is really dead under a new id, never this one."""
+        assert self.router is not None
+        for handle in (h for h in live if h.name in self.router.board.dead):
+            try:
+                load = await bounded(handle.load(), self.call_timeout_s, f"load of {handle.name}")
+            except (WorkerUnreachable, WorkerTimeout):
+                continue
+            if load.healthy:
+                logger.warning("worker %s answers with a healthy engine again; placeable", handle.name)
+                self.router.board.revive(handle.name)
 
     def _handle(self, w: WorkerIdentity) -> ServeWorkerHandle:
         known = self.known.get(w.replica_id)

@@ -24,18 +24,20 @@ def test_node_types_of_the_local_cluster_config_are_told_apart_by_their_resource
 
 
 def test_outcomes_figures_and_table() -> None:
-    done = Stream(0, sent_s=50.0, ttft_s=1.5, status=200, text="a", done=True)
-    late = Stream(1, sent_s=90.0, ttft_s=0.5, status=200, text="b", done=True)
-    refused = Stream(2, sent_s=51.0, status=503, error="retry")
-    broken = Stream(3, sent_s=52.0, ttft_s=2.0, status=200, text="c", error="RemoteProtocolError")
-    assert [s.outcome for s in (done, late, refused, broken)] == ["finished", "finished", "refused", "lost"]
+    done = Stream(0, sent_s=50.0, ttft_s=1.5, status=200, text="a", done=True, sent=True)
+    late = Stream(1, sent_s=90.0, ttft_s=0.5, status=200, text="b", done=True, sent=True)
+    refused = Stream(2, sent_s=51.0, status=503, error="retry", sent=True)
+    broken = Stream(3, sent_s=52.0, ttft_s=2.0, status=200, text="c", error="RemoteProtocolError", sent=True)
+    unsent = Stream(4)  # a second wave never sent is neither lost nor finished
+    assert [s.outcome for s in (done, late, refused, broken, unsent)] == [
+        "finished", "finished", "refused", "lost", "not sent"]
     watch = Watch(t0=0.0)
     watch.nodes = {"f" * 51 + "00001": {"type": "cpu_decode", "up_s": 70.0, "gone_s": 80.0, "how": "killed"}}
     watch.replicas = [(60.0, 1), (65.0, 2), (100.0, 1)]
-    figures = summarize([done, late, refused, broken], watch, {"added_worker_serving_s": 75.0, "burst_s": 40.0})
+    figures = summarize([done, late, refused, broken, unsent], watch, {"added_worker_serving_s": 75.0, "burst_s": 40.0})
     figures.update(identical=2, setup={"streams": 4, "prompt_tokens": 512, "max_tokens": 128, "interval_s": 1.0,
                                        "cluster_config": "deploy/cluster-local.yaml"})
-    assert figures["requests"] == {"sent": 4, "finished": 2, "refused": 1, "lost": 1}
+    assert figures["requests"] == {"sent": 4, "finished": 2, "refused": 1, "lost": 1, "not_sent": 1}
     assert figures["ttft_s"]["scale_up_p99"] == 2.0 and figures["ttft_s"]["after_p50"] == 0.5  # split at 75 s
     assert figures["max_decode_replicas"] == 2 and figures["nodes"][0]["node_id"] == "fff00001"
     assert json.loads(json.dumps(figures)) == figures

@@ -52,3 +52,17 @@ def test_before_any_worker_reported_the_minimum_is_advised_and_bounds_are_checke
         RoleBounds(2, 1)
     with pytest.raises(ValueError):
         ScalingConfig(up_at=0.5, down_at=0.6)
+
+
+def test_no_scale_down_while_the_worker_last_added_is_still_starting_unless_it_never_joins() -> None:
+    a = ScaleAdvisor(ScalingConfig(decode=RoleBounds(1, 3), up_delay_s=2.0, down_delay_s=10.0, join_wait_s=100.0))
+    decode(a, 0.0, 1, 1.0)
+    assert decode(a, 2.0, 1, 1.0) == 2  # up at 2 s; the replica starts (its node may start first)
+    for t in (3.0, 20.0, 60.0):  # the pressure of the one there is low (prefill is the bottleneck, say)
+        assert decode(a, t, 1, 0.1) == 2
+    assert decode(a, 102.0, 1, 0.1) == 1  # never joined within join_wait_s: the target comes back down
+    b = ScaleAdvisor(ScalingConfig(decode=RoleBounds(1, 3), up_delay_s=2.0, down_delay_s=10.0, join_wait_s=100.0))
+    decode(b, 0.0, 1, 1.0)
+    decode(b, 2.0, 1, 1.0)
+    assert decode(b, 30.0, 2, 0.1) == 2  # joined at 30 s: the low spell counts from here
+    assert decode(b, 40.0, 2, 0.1) == 1
