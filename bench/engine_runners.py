@@ -1,4 +1,5 @@
-"""The two engines `bench/engine.py` times on the same prompts: ferry's own, and transformers'.
+"""The engines `bench/engine.py` times on the same prompts: ferry's own, transformers', and (with
+`--peer vllm`) vLLM's CPU engine in its own venv.
 
 Mental model: each runner loads its model once and answers the same three questions, so the bench
 can divide one by the other: a `PREFILL_TOKENS`-token prefill, and decode steps at a batch of
@@ -8,9 +9,13 @@ can divide one by the other: a `PREFILL_TOKENS`-token prefill, and decode steps 
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,3 +164,36 @@ class TransformersRunner:
         tokens = (gen_tokens - 1) * batch
         return {"tok_s": tokens / window_s if window_s > 0 else 0.0, "tokens": tokens,
                 "seconds": window_s, "generate_1_s": first_s, "generate_full_s": full_s}
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+VLLM_PYTHON = (Path(os.environ.get("FERRY_PEERS", Path.home() / ".cache" / "ferry" / "peers"))
+               / "vllm-venv" / "bin" / "python")
+PROBE = Path(__file__).resolve().parent / "vllm_probe.py"
+
+
+def vllm_figures(model: Path, dtype: str, batch_sizes: list[int], gen_tokens: int, threads: int, tmp: Path,
+                 timeout_s: float = 1800.0) -> dict[str, Any]:
+    """vLLM's CPU engine on the same weights and prompt lengths (bench/vllm_probe.py, run by the venv
+    bench/build_peers.sh vllm makes; a GGUF is exported to an HF folder first), as that script's JSON;
+    {"error": why} when vLLM is not installed or fails."""
+    if not VLLM_PYTHON.exists():
+        return {"error": f"vLLM not installed ({VLLM_PYTHON} missing: bench/build_peers.sh vllm)"}
+    folder = model
+    if not model.is_dir():
+        from actors.engine.export import export_hf
+        progress(f"{dtype}: exporting {model.name} to an HF folder for vLLM")
+        folder = export_hf(model, tmp / f"hf-{dtype}", dtype=dtype, force=True)
+    progress(f"{dtype}: vLLM CPU on the same weights (bench/vllm_probe.py)")
+    argv = [str(VLLM_PYTHON), str(PROBE), "--model", str(folder), "--dtype", dtype,
+            "--prefill-tokens", str(PREFILL_TOKENS), "--batch-sizes", ",".join(map(str, batch_sizes)),
+            "--gen-tokens", str(gen_tokens), "--decode-prompt-tokens", str(DECODE_PROMPT_TOKENS),
+            "--threads", str(threads)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
+    except subprocess.TimeoutExpired:
+        return {"error": f"vllm_probe did not finish within {timeout_s:g}s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"error": f"vllm_probe exited {done.returncode}: {done.stderr.strip()[-400:]}"}
+    return dict(json.loads(lines[-1]))
