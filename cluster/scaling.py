@@ -10,9 +10,10 @@ Mental model: each role has a pressure, 1.0 meaning "at its SLO limit now":
 the pressure has stayed at or above `up_at` for `up_delay_s`; one fewer once the pressure the
 remaining workers would carry (pressure x n / (n - 1)) has stayed at or below `down_at` for
 `down_delay_s`; never outside [min, max]. A role that is idle goes down to its minimum the same way.
-Never down while the worker it last added has not joined yet (a replica starts in tens of seconds,
-its node in more), unless it has not joined for `join_wait_s`: the pressure of the workers there are
-says nothing about the one still coming, and stopping it mid-start wastes the start.
+With `join_wait_s` > 0, never down while the worker it last added has not joined yet (a replica
+starts in tens of seconds, its node in more), unless it has not joined for `join_wait_s`: the
+pressure of the workers there are says nothing about the one still coming, and stopping it mid-start
+wastes the start.
 Deterministic: the caller passes the time.
 """
 
@@ -41,7 +42,10 @@ class ScalingConfig:
     down_at: float = 0.5
     up_delay_s: float = 2.0
     down_delay_s: float = 30.0
-    join_wait_s: float = 300.0  # the most a scale-down waits for the worker last added to join
+    # The most a scale-down waits for the worker last added to join; 0 (the default): it does not wait.
+    # Off by default: where the scheduler's count of healthy workers lags (a loaded worker's load call
+    # timing out reads unhealthy), a wait blocked test_serve_scaling's scale-down in a clean-clone run.
+    join_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.down_at < self.up_at:

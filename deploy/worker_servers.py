@@ -191,8 +191,8 @@ class ServeWorkers:
         replica were gone (PinnedRouter), which would declare a healthy new worker dead."""
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                await bounded(handle.load(), self.call_timeout_s, f"load of {handle.name}")
+            try:  # each try bounded by what is left of `wait_s`: a starting replica may hold the call
+                await bounded(handle.load(), max(0.5, deadline - time.monotonic()), f"load of {handle.name}")
                 return
             except (WorkerGone, WorkerTimeout) as e:
                 if time.monotonic() >= deadline:
