@@ -193,7 +193,8 @@ def vllm_figures(model: Path, dtype: str, batch_sizes: list[int], gen_tokens: in
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
     except subprocess.TimeoutExpired:
         return {"error": f"vllm_probe did not finish within {timeout_s:g}s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
+    # vLLM logs to stdout too: the figures are the line the probe printed as JSON
+    found = [line for line in done.stdout.splitlines() if line.startswith('{"system": "vllm-cpu"')]
+    if done.returncode != 0 or not found:
         return {"error": f"vllm_probe exited {done.returncode}: {done.stderr.strip()[-400:]}"}
-    return dict(json.loads(lines[-1]))
+    return dict(json.loads(found[-1]))

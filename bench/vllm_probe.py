@@ -22,6 +22,12 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
+
+# Run as a script, Python puts bench/ first on the path, where bench/kernels.py would shadow the
+# `kernels` package vLLM imports.
+_here = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
 
 
 def main() -> int:
@@ -38,8 +44,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all" if args.threads >= (os.cpu_count() or 1) else
-                          f"0-{args.threads - 1}")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its engine-core queues on loopback only
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")  # OpenMP threads on cores 0..N-1
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
