@@ -37,7 +37,7 @@ from actors.prefix_cache.ring import StoreId
 from actors.ray_actors import ColocatedActor, DecodeActor, PrefillActor
 from actors.worker_config import WorkerConfig
 from cluster.router.client import Router
-from cluster.router.handles import WorkerGone, WorkerUnreachable
+from cluster.router.handles import WorkerUnreachable
 from cluster.router.loads import bounded
 from cluster.router.pinned_router import PinnedRouter
 from cluster.router.serve_handles import ServeWorkerHandle
@@ -194,7 +194,7 @@ class ServeWorkers:
             try:  # each try bounded by what is left of `wait_s`: a starting replica may hold the call
                 await bounded(handle.load(), max(0.5, deadline - time.monotonic()), f"load of {handle.name}")
                 return
-            except (WorkerGone, WorkerTimeout) as e:
+            except (WorkerUnreachable, WorkerTimeout) as e:  # any failure: it is in `known` and must be added
                 if time.monotonic() >= deadline:
                     logger.warning("new worker %s not reachable yet (%s); added anyway", handle.name, e)
                     return
