@@ -30,8 +30,8 @@ class KVExchange:
         req.priority_rank = options.priority_rank
         if self.scheduler.make_room(req, num_kv_tokens, need_row=self._rows_taken(), busy=self._executing):
             self.scheduler.offload.apply(self.runner)  # read out before this KV lands in those blocks
-        if self._rows_taken():
-            return None
+        if self._rows_taken(promised=self.scheduler.num_resumes_waiting(req.priority_rank)):
+            return None  # no row, or the rows that are free go to waiting resumes first
         if not self.kv.allocate_slots(req, num_kv_tokens):
             return None
         req.num_computed_tokens = num_kv_tokens
@@ -65,8 +65,8 @@ class KVExchange:
         self.commit(request_id).stepwise_from = len(prompt_token_ids) - 1
         return True
 
-    def _rows_taken(self) -> bool:
-        return len(self.scheduler.running) + len(self._reserved) >= self.cfg.max_num_seqs
+    def _rows_taken(self, promised: int = 0) -> bool:
+        return len(self.scheduler.running) + len(self._reserved) + promised >= self.cfg.max_num_seqs
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved  # blocks wait for the request's KV, not yet committed

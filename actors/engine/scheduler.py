@@ -12,8 +12,9 @@ when it is readmitted, nothing recomputed); any other goes back to the queue and
 later from prompt + tokens generated so far. Before that, a waiting interactive request (or one of
 a tenant below its guarantee) that finds no blocks makes room: running batch requests are
 offloaded (and requests of tenants above their guarantee preempted) until it fits. Waiting
-requests are admitted after that, interactive before batch and in arrival order within a rank,
-while budget, sequence slots and blocks allow, reusing their cached prefix blocks.
+requests are admitted after that, interactive before batch and in arrival order within a rank
+(resumed and preempted requests first), while budget, sequence slots and blocks allow, reusing
+their cached prefix blocks.
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        """Queues `request` after every waiting request of its rank or a smaller one."""
-        self._queue(request, ahead=False)
+        """Queues `request` after every waiting request of its rank or a smaller one; a resume
+        (tokens already streamed elsewhere: a recovery) before those of its rank, as a preempted
+        request is: its stream is live and its caller has waited once already."""
+        self._queue(request, ahead=request.num_output_tokens > 0)
+
+    def num_resumes_waiting(self, rank: int) -> int:
+        """Waiting resumes of rank `rank` or a smaller one: the rows that free next are theirs."""
+        return sum(1 for r in self.waiting if r.num_output_tokens > 0 and r.priority_rank <= rank)
 
     def _queue(self, request: Request, ahead: bool) -> None:
         """Into the queue by rank: after its rank's requests, or (`ahead`, a preempted one) before them."""

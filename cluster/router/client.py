@@ -38,6 +38,7 @@ from actors.messages import GenerationRequest, PrefillResult, Telemetry, Telemet
 from cluster.placement import Placement
 from cluster.router.choice import LeastLoaded, LocalPolicy, PlacementChoice, lend_prefill
 from cluster.router.config import RecoveryConfig, RouterConfig
+from cluster.router.follow import follow
 from cluster.router.control import ControlPlane
 from cluster.router.flight import DECODING, PREEMPTED, PREFILLING, InFlight, StreamBroken, is_worker_failure
 from cluster.router.handles import TokenStream, WorkerGone, WorkerHandle, WorkerUnreachable, start_prefetch
@@ -267,24 +268,9 @@ class Router:
             self.board.in_flight[decode] -= 1
             self.room.release()
 
-    async def _follow(self, worker: WorkerHandle, request_id: str, stream: TokenStream) -> AsyncIterator[TokenEvent]:
-        """Yields the stream's events, each within `token_timeout_s`; aborts unless it finished."""
-        finished = False
-        try:
-            while not finished:
-                try:
-                    event = await asyncio.wait_for(stream.__anext__(), self.cfg.token_timeout_s)
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    raise WorkerTimeout(f"{worker.name} sent nothing for {request_id} "
-                                        f"in {self.cfg.token_timeout_s:g}s") from None
-                finished = event.output.finished
-                yield event
-        finally:
-            if not finished:
-                worker.abort(request_id)
-                stream.discard()  # its last event carries the abort's error: consumed, not surfaced
+    def _follow(self, worker: WorkerHandle, request_id: str, stream: TokenStream) -> AsyncIterator[TokenEvent]:
+        return follow(worker, request_id, stream, token_timeout_s=self.cfg.token_timeout_s,
+                      row_wait_s=self.cfg.row_wait_s, probe_timeout_s=self.recovery_cfg.probe_timeout_s)
 
     # ---- a decode row --------------------------------------------------------------------------
 

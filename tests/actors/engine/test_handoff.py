@@ -177,3 +177,27 @@ def test_long_prompts_ship_in_more_shards_so_each_fits_the_staging() -> None:
     assert num_handoff_shards(raw, 30, 2, 16 * MIB) == 30  # one layer (11.9 MiB) per shard at most
     with pytest.raises(HandoffTooLarge, match="transfer.staging_mib"):
         num_handoff_shards(raw, 30, 2, 8 * MIB)
+
+
+def test_a_resume_takes_the_next_row_before_new_requests_and_handoffs(tiny_llama_dir):
+    """A recovered request (tokens already streamed) waiting for a row gets the first one that
+    frees: ahead of fresh requests queued before it, and before a new handoff's reservation."""
+    engine = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_blocks=64, max_num_seqs=2))
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    p = prompts(4, 12, seed=41)
+    engine.add_request("a", p[0], params)
+    engine.add_request("b", p[1], params)
+    engine.step()  # both rows taken
+    engine.add_request("fresh", p[2], params)
+    engine.add_request("resumed", p[3], params, RequestOptions(seed=3, output_token_ids=(5, 6, 7)))
+    assert [r.request_id for r in engine.scheduler.waiting] == ["resumed", "fresh"]
+    handoff = ("h", list(range(5, 30)), params, RequestOptions())
+    assert engine.reserve(*handoff, num_kv_tokens=24) is None  # no row
+    engine.abort("a")
+    assert engine.reserve(*handoff, num_kv_tokens=24) is None  # the free row is the resume's
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"b", "resumed"}
+    assert [r.request_id for r in engine.scheduler.waiting] == ["fresh"]
+    engine.abort("b")
+    assert engine.reserve(*handoff, num_kv_tokens=24) is not None  # a fresh request does not hold rows back
+    engine.check_integrity()
