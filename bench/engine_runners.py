@@ -10,7 +10,6 @@ can divide one by the other: a `PREFILL_TOKENS`-token prefill, and decode steps 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -24,6 +23,7 @@ from actors.engine.engine import Engine
 from actors.engine.model import CausalLM
 from actors.engine.sampling import SamplingParams
 from bench.common import progress
+from bench.loadgen.peers import VLLM_PYTHON, hf_folder
 
 PREFILL_TOKENS = 512
 DECODE_PROMPT_TOKENS = 64
@@ -167,23 +167,20 @@ class TransformersRunner:
 
 
 # ------------------------------------------------------------------------------------------- vLLM
-VLLM_PYTHON = (Path(os.environ.get("FERRY_PEERS", Path.home() / ".cache" / "ferry" / "peers"))
-               / "vllm-venv" / "bin" / "python")
 PROBE = Path(__file__).resolve().parent / "vllm_probe.py"
 
 
 def vllm_figures(model: Path, dtype: str, batch_sizes: list[int], gen_tokens: int, threads: int, tmp: Path,
                  timeout_s: float = 1800.0) -> dict[str, Any]:
     """vLLM's CPU engine on the same weights and prompt lengths (bench/vllm_probe.py, run by the venv
-    bench/build_peers.sh vllm makes; a GGUF is exported to an HF folder first), as that script's JSON;
+    bench/build_peers.sh vllm makes; a GGUF is exported to an HF folder once, `hf_folder`), as that script's JSON;
     {"error": why} when vLLM is not installed or fails."""
     if not VLLM_PYTHON.exists():
         return {"error": f"vLLM not installed ({VLLM_PYTHON} missing: bench/build_peers.sh vllm)"}
     folder = model
     if not model.is_dir():
-        from actors.engine.export import export_hf
-        progress(f"{dtype}: exporting {model.name} to an HF folder for vLLM")
-        folder = export_hf(model, tmp / f"hf-{dtype}", dtype=dtype, force=True)
+        progress(f"{dtype}: {model.name} as an HF folder for vLLM")
+        folder = hf_folder(model, dtype)
     progress(f"{dtype}: vLLM CPU on the same weights (bench/vllm_probe.py)")
     argv = [str(VLLM_PYTHON), str(PROBE), "--model", str(folder), "--dtype", dtype,
             "--prefill-tokens", str(PREFILL_TOKENS), "--batch-sizes", ",".join(map(str, batch_sizes)),

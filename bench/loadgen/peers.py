@@ -5,15 +5,18 @@ slots, 127.0.0.1 only) and whether it is installed; `launched(peer)` starts it i
 waits until `GET /v1/models` answers, yields (base URL, served model name), and on exit sends
 SIGTERM to the process group it created (SIGKILL after a grace period). A peer whose binary is
 missing raises `PeerUnavailable` with the reason, and the harness skips it with that message.
-Peers: ferry colocated, ferry disaggregated (`ferry serve --config`), llama.cpp's `llama-server
---parallel N`, llama-cpp-python's server (one request at a time; `--interrupt_requests False` so a
-new request does not kill the running stream). Binaries are looked up in ~/.cache/ferry/peers/.
+Peers: ferry colocated, ferry disaggregated (`ferry serve --config`), vLLM's CPU build (its OpenAI
+server, on the GGUF exported once to an HF folder by `ferry models export`, so both load the same
+weights; bench/build_peers.sh vllm), llama.cpp's `llama-server --parallel N`, llama-cpp-python's
+server (one request at a time; `--interrupt_requests False` so a new request does not kill the
+running stream). Binaries are looked up in ~/.cache/ferry/peers/.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -35,7 +38,8 @@ from deploy.ops import Unreachable, fetch_health, workers_of
 log = logging.getLogger(__name__)
 PEER_DIR = Path(os.environ.get("FERRY_PEERS", Path.home() / ".cache" / "ferry" / "peers"))
 REPO = Path(__file__).resolve().parents[2]
-ALL_PEERS = ("ferry-disagg", "ferry-colocated", "llama-server", "llama-cpp-python")
+ALL_PEERS = ("ferry-disagg", "ferry-colocated", "vllm", "llama-server", "llama-cpp-python")
+VLLM_PYTHON = PEER_DIR / "vllm-venv" / "bin" / "python"
 
 
 class PeerUnavailable(RuntimeError):
@@ -64,6 +68,7 @@ class PeerSpec:
     ferry_kv_recovery: str | None = None  # "shadow" or "recompute" for every tenant; None: the app's default
     ferry_speculation: str | None = None  # engine.speculation.method; None: the app's default
     ferry_lend_cores: bool = False  # engine.lend_cores: decode engines yield a node's cores to a prefill by slack
+    vllm_kv_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE: vLLM's KV cache on CPU, GiB
 
 
 def free_port() -> int:
@@ -113,6 +118,13 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
         # `python -m deploy.cli` with PYTHONPATH=ferry_src runs a snapshot ahead of the editable install.
         return [str(REPO / ".venv" / "bin" / "python"), "-m", "deploy.cli", "serve", "--config", str(path),
                 "--port", str(port)]
+    if name == "vllm":
+        if not VLLM_PYTHON.exists():
+            raise PeerUnavailable(f"vLLM not installed ({VLLM_PYTHON} missing: bench/build_peers.sh vllm)")
+        dtype = vllm_dtype(spec)
+        return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_folder(spec.gguf, dtype)),
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
+                "--max-num-seqs", str(spec.parallel), "--max-model-len", str(spec.ctx_per_slot), "--dtype", dtype]
     if name == "llama-server":
         exe = _find("llama-server")
         if exe is None:
@@ -130,6 +142,41 @@ def command(name: str, spec: PeerSpec, port: int, workdir: Path) -> list[str]:
                 "--port", str(port), "--n_ctx", str(spec.ctx_per_slot), "--n_threads", str(spec.threads),
                 "--interrupt_requests", "False", "--model_alias", "smollm2"]
     raise ValueError(f"unknown peer {name!r}; known: {', '.join(ALL_PEERS)}")
+
+
+def vllm_dtype(spec: PeerSpec) -> str:
+    """The dtype vLLM runs: ferry's, with "auto" resolved as ferry's engine resolves it on this CPU."""
+    if spec.ferry_dtype != "auto":
+        return spec.ferry_dtype
+    import torch
+
+    from actors.engine.config import auto_dtype
+
+    return auto_dtype(torch.device("cpu"))
+
+
+def hf_folder(gguf: Path, dtype: str) -> Path:
+    """`gguf` as a Hugging Face folder in `dtype` (`ferry models export`), written once under
+    PEER_DIR/models and reused while its export record names the same file and dtype."""
+    dest = PEER_DIR / "models" / f"{gguf.stem}-{dtype}"
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((dest / "ferry_export.json").read_text())
+        if record == {"source": gguf.name, "dtype": dtype}:
+            return dest
+    from actors.engine.export import export_hf
+
+    log.info("exporting %s to %s for vLLM", gguf.name, dest)
+    return export_hf(gguf, dest, dtype=dtype, force=True)
+
+
+def peer_env(name: str, spec: PeerSpec) -> dict[str, str]:
+    """The environment a peer starts with: its threads, and for vLLM its CPU settings (OpenMP threads
+    bound to cores 0..N-1, its KV cache size, its engine's queues on loopback)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+    if name == "vllm":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{spec.threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(spec.vllm_kv_gib),
+                   VLLM_HOST_IP="127.0.0.1")
+    return env
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0, straggler_wait_s: float = 10.0) -> None:
@@ -171,8 +218,9 @@ def launched(name: str, spec: PeerSpec, log_dir: Path) -> Iterator[tuple[str, st
     with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
         argv = command(name, spec, port, Path(tmp))
         out = (log_dir / f"{name}.log").open("wb")
-        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
-        cwd = REPO
+        env = peer_env(name, spec)
+        # vLLM starts in the scratch folder: from the repo, its `kernels` package would be ours.
+        cwd = Path(tmp) if name == "vllm" else REPO
         if name.startswith("ferry-") and spec.ferry_src is not None:
             cwd = spec.ferry_src
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(spec.ferry_src), env.get("PYTHONPATH")]))
@@ -234,6 +282,8 @@ def _serving(base: str) -> bool:
     with contextlib.suppress(httpx2.HTTPError, ValueError):
         r = httpx2.get(f"{base.rstrip('/').removesuffix('/v1')}/health", timeout=5.0, trust_env=False)
         if r.status_code == 404:
+            return True
+        if r.status_code == 200 and not r.content.strip():  # vLLM: an empty 200 once its engine is up
             return True
         body = r.json()
         return bool(body.get("healthy", True)) if isinstance(body, dict) else True

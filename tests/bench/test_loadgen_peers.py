@@ -40,11 +40,41 @@ def test_ferry_peers_get_a_valid_config_with_the_spec_applied(tmp_path: Path, na
 def test_unknown_peer_and_missing_binaries_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = PeerSpec(gguf=Path("/models/m.gguf"))
     with pytest.raises(ValueError, match="unknown peer"):
-        command("vllm", spec, 8123, tmp_path)
+        command("vllm-gpu", spec, 8123, tmp_path)
     monkeypatch.setattr("bench.loadgen.peers._find", lambda name: None)
     with pytest.raises(PeerUnavailable, match="build_peers.sh"):
         command("llama-server", spec, 8123, tmp_path)
 
+
+    monkeypatch.setattr("bench.loadgen.peers.VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    with pytest.raises(PeerUnavailable, match="build_peers.sh vllm"):
+        command("vllm", spec, 8123, tmp_path)
+
+
+def test_vllm_serves_the_exported_folder_on_loopback_with_the_same_slots_and_dtype(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.loadgen import peers
+
+    python = tmp_path / "vllm-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    monkeypatch.setattr(peers, "VLLM_PYTHON", python)
+    monkeypatch.setattr(peers, "PEER_DIR", tmp_path)
+    gguf = tmp_path / "m.gguf"
+    folder = tmp_path / "models" / "m-bfloat16"
+    folder.mkdir(parents=True)  # an export already there, as `ferry models export` records it
+    (folder / "ferry_export.json").write_text('{"source": "m.gguf", "dtype": "bfloat16"}')
+    spec = PeerSpec(gguf=gguf, parallel=12, ctx_per_slot=1152, threads=2, ferry_dtype="bfloat16")
+    argv = command("vllm", spec, 8125, tmp_path)
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert flags == {"--model": str(folder), "--host": "127.0.0.1", "--port": "8125", "--served-model-name": "smollm2",
+                     "--max-num-seqs": "12", "--max-model-len": "1152", "--dtype": "bfloat16"}
+    env = peers.peer_env("vllm", spec)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    # another dtype is another export: not the folder above
+    monkeypatch.setattr("actors.engine.export.export_hf", lambda g, dest, **kw: dest)
+    assert peers.hf_folder(gguf, "float32") == tmp_path / "models" / "m-float32"
 
 
 def test_stop_signals_the_peer_first_then_what_is_left_of_its_group() -> None:
