@@ -7,7 +7,10 @@ KV between instances, emits tokens, and tells the router what happened in the sa
 the real data plane would use. Every `report_interval_s` alive instances report their load
 (`WorkerReport`, with measured step samples and prefix-cache deltas); a dead instance simply stops
 reporting, so a scheduler notices it by missed heartbeats. Baseline routers, which read no
-reports, are told of a death after the same heartbeat timeout.
+reports, are told of a death after the same heartbeat timeout. Instances may join and leave during
+a run (`add_instance`; `drain`, then `remove_instance` once `holds_work` is False): a draining
+instance reports itself unhealthy, so the scheduler places nothing new there, and finishes what it
+holds; `autoscale.py` drives these.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from bench.sim.colocated import ColocatedInstance
 from bench.sim.events import EventLoop
 from bench.sim.hardware import NetworkSpec, RooflineCost, StepCost
 from bench.sim.instances import DecodeInstance, PrefillInstance
-from bench.sim.request import (CANCELLED, DECODE_WAIT, DONE, LOST, ORPHAN, PREEMPTED, PREFILLING, QUEUED,
-                               REFUSED, TRANSFER, SimRequest)
+from bench.sim.request import (CANCELLED, DECODE_WAIT, DECODING, DONE, LOST, ORPHAN, PREEMPTED, PREFILLING,
+                               QUEUED, REFUSED, TRANSFER, SimRequest)
 from cluster.descriptors import WorkerKind, WorkerReport, WorkerName
 
 if TYPE_CHECKING:
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
     from bench.sim.policies import SimPolicy
 
 Instance = PrefillInstance | DecodeInstance | ColocatedInstance
+# States in which a request still needs the instance it names (its KV lives there or goes there).
+_HELD_BY_PREFILL = (QUEUED, PREFILLING, TRANSFER, ORPHAN)
+_HELD_BY_DECODE = (QUEUED, PREFILLING, TRANSFER, DECODE_WAIT, DECODING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,23 +82,34 @@ class SimCluster:
         self.pool = (BlockCache(spec.pool_capacity_tokens // spec.hash_block_tokens, track_deltas=True)
                      if spec.use_pool and not spec.num_colocated else None)
         self.fetch_s_per_block = spec.hash_block_tokens * kv_bytes_per_token / spec.network.pool_bytes_per_s
+        self._kv_blocks, self._cache_blocks = kv_blocks, cache_blocks
         self.instances: dict[str, Instance] = {}
-        if spec.num_colocated:
-            for i in range(spec.num_colocated):
-                self.instances[f"c{i}"] = ColocatedInstance(
-                    f"c{i}", self.cost, self, kv_blocks, spec.kv_block_tokens, cache_blocks,
-                    spec.colocated_token_budget, spec.max_num_seqs)
-        else:
-            for i in range(spec.num_prefill):
-                self.instances[f"p{i}"] = PrefillInstance(f"p{i}", self.cost, self, cache_blocks,
-                                                          spec.prefill_token_budget)
-            for i in range(spec.num_decode):
-                name = f"d{i}"
-                self.instances[name] = DecodeInstance(name, self.cost, self, kv_blocks, spec.kv_block_tokens,
-                                                      self._cap_fn(name), cache_blocks, self._chunk_fn(name),
-                                                      spec.max_num_seqs)
+        self.draining: set[str] = set()  # still serving what they hold, reported unhealthy: no new work
+        counts = {"c": spec.num_colocated} if spec.num_colocated else {"p": spec.num_prefill, "d": spec.num_decode}
+        self._num_built = dict.fromkeys(counts, 0)  # names are never reused within a run
+        for kind, n in counts.items():
+            for _ in range(n):
+                self._build(kind)
         self.failures: list[FailureRecord] = []
         self.requests: dict[str, SimRequest] = {}
+        self._pending = [0]
+
+    def _build(self, kind: str) -> str:
+        name = f"{kind}{self._num_built[kind]}"
+        self._num_built[kind] += 1
+        spec = self.spec
+        if kind == "c":
+            self.instances[name] = ColocatedInstance(name, self.cost, self, self._kv_blocks, spec.kv_block_tokens,
+                                                     self._cache_blocks, spec.colocated_token_budget,
+                                                     spec.max_num_seqs)
+        elif kind == "p":
+            self.instances[name] = PrefillInstance(name, self.cost, self, self._cache_blocks,
+                                                   spec.prefill_token_budget)
+        else:
+            self.instances[name] = DecodeInstance(name, self.cost, self, self._kv_blocks, spec.kv_block_tokens,
+                                                  self._cap_fn(name), self._cache_blocks, self._chunk_fn(name),
+                                                  spec.max_num_seqs)
+        return name
 
     def _cap_fn(self, name: str) -> Callable[[], int]:
         limit = self.spec.max_num_seqs
@@ -115,6 +132,11 @@ class SimCluster:
         pending = [len(requests)]
         self._pending = pending
         self.loop.run(end, stop=lambda: pending[0] == 0)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests of the run not finished, refused or cancelled yet."""
+        return self._pending[0]
 
     def _settle(self, req: SimRequest) -> None:
         self._pending[0] -= 1
@@ -142,7 +164,44 @@ class SimCluster:
             total, free = inst.dec.kv_blocks, inst.dec.kv_blocks - inst.dec.used_blocks
         steps, inst.samples = tuple(inst.samples), []
         return WorkerReport(WorkerName(inst.name), kind, running, waiting, max(0, free), total,
-                          self.spec.kv_block_tokens, True, self.loop.now, steps, added, removed)
+                          self.spec.kv_block_tokens, inst.name not in self.draining, self.loop.now, steps, added,
+                          removed)
+
+    # ---- instances joining and leaving (autoscaling) ----------------------------------------
+
+    def add_instance(self, kind: str) -> str:
+        """A new "p" / "d" / "c" instance, serving now (its node and replica start are the caller's
+        to wait for); the router learns of it from its reports, as of a new worker."""
+        name = self._build(kind)
+        self.router.on_instance_added(name)
+        return name
+
+    def drain(self, name: str) -> None:
+        """From now on `name` reports itself unhealthy, so no new work is placed on it; what it
+        holds runs to the end. `remove_instance` once `holds_work` is False."""
+        assert name in self.instances and not self.instances[name].dead, name
+        self.draining.add(name)
+
+    def holds_work(self, name: str) -> bool:
+        """Whether removing `name` now would lose a request: one queued, prefilling or decoding
+        there, its KV on the way from or to it (or held for a resend), placed to decode there, or
+        one the router still counts there."""
+        inst = self.instances[name]
+        if inst.busy or any(inst.load()) or self.router.holds_work(name):
+            return True
+        for req in self.requests.values():
+            if req.state in _HELD_BY_PREFILL and req.prefill_inst == name:
+                return True
+            if req.state in _HELD_BY_DECODE and req.decode_inst == name:
+                return True
+        return False
+
+    def remove_instance(self, name: str) -> None:
+        """Take an idle instance away (its node is given back); the router is told at once."""
+        assert not self.holds_work(name), f"{name} still holds work"
+        del self.instances[name]
+        self.draining.discard(name)
+        self.router.on_instance_removed(name)
 
     # ---- the router's commands --------------------------------------------------------------
 

@@ -54,6 +54,11 @@ class SimPolicy:
     def on_tick(self) -> None: pass
     def sync_tokens(self, reqs: list[SimRequest]) -> None: pass
     def on_failure_detected(self, name: str) -> None: pass
+    # Autoscaling (`autoscale.py`): an instance joined, or left idle after a drain (its reports
+    # said unhealthy meanwhile); `holds_work`: whether the router still counts a request on it.
+    def on_instance_added(self, name: str) -> None: pass
+    def on_instance_removed(self, name: str) -> None: pass
+    def holds_work(self, name: str) -> bool: return False
 
     def _lost_in_arrival_order(self) -> list[SimRequest]:
         """Requests to re-dispatch after a detected death: those whose KV died (LOST), those whose
@@ -223,6 +228,18 @@ class Ours(SimPolicy):
 
     def on_pool_report(self, added: tuple[int, ...], removed: tuple[int, ...]) -> None:
         self.sched.on_pool_report(added, removed)
+
+    def holds_work(self, name: str) -> bool:
+        # The journal keeps a request's prefill worker after the hand-off, and `on_worker_dead`
+        # re-places (here: refuses) every request that names the worker, even one decoding fine
+        # elsewhere: a drained prefill instance leaves only once those have finished.
+        return bool(self.sched.journal.on_worker(WorkerName(name)))
+
+    def on_instance_removed(self, name: str) -> None:
+        # What the ingress does once a stopped replica is gone; the scheduler would also find it
+        # silent after `heartbeat_timeout_s`. Nothing is on it, so nothing is re-placed.
+        for out in self.sched.on_worker_dead(WorkerName(name)):
+            self._apply(self.sim.requests[out.request_id], out)
 
     def on_tick(self) -> None:
         result = self.sched.poll()
