@@ -11,7 +11,9 @@ phase), indexed by worker so a death finds its victims in O(victims).
 first: ordered by remaining SLO budget (time left before the TTFT deadline, before the next token
 is due to keep the mean TPOT on target, or before the batch deadline) minus the predicted cost of
 recomputing them. Requests that only lost their *future* decode worker (still prefilling
-elsewhere) are included too; `needs_prefill` says which ones must be recomputed.
+elsewhere) are included too; `needs_prefill` says which ones must be recomputed. A request already
+decoding has nothing left on its prefill worker: that worker's death does not touch it
+(`lost_with`).
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ class JournalEntry:
         return cls(desc=RequestDesc(**dd), **rest)
 
 
+def lost_with(entry: JournalEntry, dead: WorkerName) -> bool:
+    """Whether `entry` lost state with `dead`: its KV (prefill not handed off, or decode rows) or
+    the decode worker it was on its way to. Once decoding, its prefill worker holds nothing of it."""
+    if entry.decode_worker == dead:
+        return True
+    return entry.prefill_worker == dead and entry.phase is not Phase.DECODING
+
+
 def needs_prefill(entry: JournalEntry, dead: WorkerName) -> bool:
     """Whether the request's KV died with `dead` (so it must be recomputed), as opposed to it only
     needing a new decode worker (the prefill side still holds the KV until the receiver confirms)."""
@@ -186,9 +196,9 @@ class Journal:
 
     def recovery_plan(self, dead: WorkerName, now: float,
                       recompute_s: Callable[[JournalEntry], float] = lambda e: 0.0) -> list[JournalEntry]:
-        """Requests touched by `dead`, least remaining budget (minus recompute cost) first; ties by
-        arrival, then id, so the plan is deterministic."""
-        touched = self.on_worker(dead)
+        """Requests that lost state with `dead`, least remaining budget (minus recompute cost)
+        first; ties by arrival, then id, so the plan is deterministic."""
+        touched = [e for e in self.on_worker(dead) if lost_with(e, dead)]
         return sorted(touched, key=lambda e: (e.remaining_budget_s(now) - recompute_s(e),
                                               e.desc.arrival_time, e.request_id))
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.clock import FakeClock
 from cluster.config import SchedulerConfig
-from cluster.descriptors import SloClass, WorkerKind
+from cluster.descriptors import RequestId, SloClass, WorkerKind
 from cluster.journal import Journal, JournalEntry, Phase, needs_prefill
 from cluster.placement import Placement, PlacementKind
 from cluster.scheduler import GlobalScheduler
@@ -42,16 +43,22 @@ def test_needs_prefill_distinguishes_lost_kv_from_a_lost_destination() -> None:
     assert needs_prefill(_entry("a", 0, 1, 3, Phase.DECODING), W("d0"))
 
 
-def test_decode_death_replaces_requests_most_urgent_first_with_resume_points() -> None:
+def _placed(n: int) -> tuple[GlobalScheduler, FakeClock, dict[RequestId, Placement]]:
+    """A 2P+2D scheduler with `n` 500-token requests placed 10 ms apart."""
     cfg = SchedulerConfig(default_tenant=TenantConfig(T("default"), slo=InteractiveSlo(1000, 50)),
                           heartbeat_timeout_s=1e6)
     sched, clock = make(cfg, prefill=2, decode=2)
     ps = {}
-    for i in range(8):
+    for i in range(n):
         p = sched.submit(desc(f"r{i}", prompt=500, t=clock.now()))
         assert isinstance(p, Placement)
         ps[p.request_id] = p
         clock.advance(0.01)
+    return sched, clock, ps
+
+
+def test_decode_death_replaces_requests_most_urgent_first_with_resume_points() -> None:
+    sched, clock, ps = _placed(8)
     on_d0 = sorted(r for r, p in ps.items() if p.decode_worker == "d0")
     assert len(on_d0) == 4
     # Two of d0's requests are decoding with different progress; two are still prefilling.
@@ -125,3 +132,33 @@ def test_rebuild_after_scheduler_restart_keeps_accounts_and_replaces_orphans() -
     new.check_integrity()
     assert (d0.num_active, d0.num_committed, d0.active_blocks, d0.committed_blocks) == (0, 0, 0, 0)
     assert new.fairness.served_tokens(T("default")) == pytest.approx(sched.fairness.served_tokens(T("default")))
+
+
+def test_a_prefill_death_leaves_requests_already_decoding_elsewhere_alone() -> None:
+    sched, clock, ps = _placed(6)
+    on_p0 = sorted(r for r, p in ps.items() if p.prefill_worker == "p0")
+    assert len(on_p0) >= 2
+    decoding, queued = on_p0[0], on_p0[1:]
+    sched.on_token(decoding)
+    sched.on_stage(decoding, Stage.DECODE_ADMITTED)
+    sched.on_token(decoding, count=5)
+    before = sched.journal.get(decoding)
+    assert before is not None and before.phase is Phase.DECODING
+    decode_at = before.decode_worker
+    view = sched.workers.get(decode_at)
+    assert view is not None
+    rows_before = (view.num_active, view.num_committed, view.active_blocks, view.committed_blocks)
+    out = sched.on_worker_dead(W("p0"))
+    # Only the requests whose prompt KV died are placed again; the decoding one is not touched.
+    assert sorted(p.request_id for p in out) == queued
+    assert all(isinstance(p, Placement) and p.kind is PlacementKind.RECOMPUTE for p in out)
+    after = sched.journal.get(decoding)
+    assert after is not None and (after.phase, after.decode_worker, after.num_recoveries) == (Phase.DECODING, decode_at, 0)
+    assert sched.stats().num_recovered == len(queued)
+    sched.check_integrity()
+    # Its decode worker still carries it (the queued ones may have been re-placed there too).
+    assert view.num_active >= rows_before[0] and view.active_blocks >= rows_before[2]
+    for rid in ps:
+        sched.on_finish(rid)
+    sched.check_integrity()
+    assert sched.stats().num_in_flight == 0
