@@ -10,6 +10,13 @@ window: the share of ONE core it used. Voluntary context switches per second cou
 woke up, the cause behind most idle CPU. Roles come from the Ray process titles
 (`ray::ServeReplica:ferry:decode`, `ray::ServeController`, `ray::SchedulerService`, ...). The budget (issue 38): all of it together at most 2% of one core.
 
+The floor, measured in the same window: one bare async Ray actor (no methods called, nothing
+running) started beside the app. Every Ray worker process pays it, whatever runs in it: Ray
+2.60's task-execution loop wakes every 10 ms (a fixed `CoreWorker.CheckSignal` timer) to take
+the GIL and check for signals. `floor_pct_of_core` = that actor's share x the app's Ray worker
+processes (replicas, actors, Serve's controller and proxy); each worker's `above_floor` is what
+its own code and threads add. The bare actor is not counted in the app's total.
+
     python -m bench.idle [--config deploy/serve.yaml] [--window 20] [--settle 10] [--no-warmup] [--json]
 """
 
@@ -39,6 +46,8 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("ray-dashboard-", "Ray dashboard module"),
     ("log_monitor.py", "Ray log monitor"),
     ("monitor.py", "Ray autoscaler monitor"),
+    ("ray::DashboardAgent", "Ray dashboard agent"),  # Ray's own agents, not workers running tasks
+    ("ray::RuntimeEnvAgent", "Ray runtime-env agent"),
     ("ray::ServeController", "Serve controller"),
     ("ray::ProxyActor", "Serve proxy"),
     ("ray::ServeReplica:", "Serve replica"),
@@ -51,6 +60,10 @@ ROLES: tuple[tuple[str, str], ...] = (
 class CpuSample:
     cpu_s: float  # user + system seconds so far
     voluntary_switches: int
+    thread_cpu_s: dict[str, float]  # by thread name (threads of one name summed)
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 def role_of(cmdline: str) -> str:
@@ -69,20 +82,25 @@ def role_of(cmdline: str) -> str:
     return f"other: {cmdline[:60]}"
 
 
-def voluntary_switches(p: psutil.Process) -> int:
-    """Times all of `p`'s threads went to sleep (psutil's count is the main thread's only)."""
-    total = 0
+def thread_figures(p: psutil.Process) -> tuple[int, dict[str, float]]:
+    """Times all of `p`'s threads went to sleep (psutil's count is the main thread's only), and
+    CPU seconds by thread name (from /proc; empty where there is no /proc)."""
+    switches, by_name = 0, {}
     try:
         tasks = os.listdir(f"/proc/{p.pid}/task")
     except OSError:  # not Linux: the main thread's
-        return p.num_ctx_switches().voluntary
+        return p.num_ctx_switches().voluntary, by_name
     for tid in tasks:
         try:
             with open(f"/proc/{p.pid}/task/{tid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+                switches += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+            with open(f"/proc/{p.pid}/task/{tid}/stat") as f:
+                stat = f.read()
         except (OSError, StopIteration, ValueError):  # a thread that just ended
-            pass
-    return total
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        by_name[name] = by_name.get(name, 0.0) + (int(rest[11]) + int(rest[12])) * _TICK_S  # utime + stime
+    return switches, by_name
 
 
 def sample(procs: list[psutil.Process]) -> dict[int, CpuSample]:
@@ -90,10 +108,17 @@ def sample(procs: list[psutil.Process]) -> dict[int, CpuSample]:
     for p in procs:
         try:
             t = p.cpu_times()
-            out[p.pid] = CpuSample(t.user + t.system, voluntary_switches(p))
+            switches, threads = thread_figures(p)
+            out[p.pid] = CpuSample(t.user + t.system, switches, threads)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+def busiest_threads(before: CpuSample, after: CpuSample, window_s: float, n: int = 3) -> list[tuple[str, float]]:
+    """The `n` thread names that used the most CPU in the window, with their % of one core."""
+    used = {k: 100.0 * (v - before.thread_cpu_s.get(k, 0.0)) / window_s for k, v in after.thread_cpu_s.items()}
+    return sorted(((k, round(v, 2)) for k, v in used.items() if v > 0), key=lambda kv: -kv[1])[:n]
 
 
 def app_processes(root: psutil.Process) -> list[psutil.Process]:
@@ -113,7 +138,7 @@ def measure(root: psutil.Process, window_s: float) -> list[dict[str, Any]]:
     for p in procs:
         if p.pid not in after:
             continue
-        start = before.get(p.pid, CpuSample(0.0, 0))
+        start = before.get(p.pid, CpuSample(0.0, 0, {}))
         try:
             cmdline = " ".join(p.cmdline()) or p.name()
             threads = p.num_threads()
@@ -126,15 +151,43 @@ def measure(root: psutil.Process, window_s: float) -> list[dict[str, Any]]:
             "cpu_pct_of_core": 100.0 * (after[p.pid].cpu_s - start.cpu_s) / window_s,
             "wakeups_per_s": (after[p.pid].voluntary_switches - start.voluntary_switches) / window_s,
             "threads": threads,
+            "busiest_threads": busiest_threads(start, after[p.pid], window_s),
         })
     rows.sort(key=lambda r: -r["cpu_pct_of_core"])
     return rows
 
 
-def summarize(rows: list[dict[str, Any]], window_s: float) -> Figures:
+WORKER_ROLES = ("Serve replica ", "actor ", "Serve controller", "Serve proxy")  # Ray worker processes
+
+
+def summarize(rows: list[dict[str, Any]], window_s: float, bare_pid: int | None = None) -> Figures:
+    """The app's total (the bare actor `bare_pid` left out, but kept as the floor per worker)."""
+    bare = next((r for r in rows if r["pid"] == bare_pid), None)
+    rows = [r for r in rows if r["pid"] != bare_pid]
     total = sum(r["cpu_pct_of_core"] for r in rows)
-    return {"window_s": window_s, "processes": rows, "total_cpu_pct_of_core": total,
-            "budget_pct_of_core": BUDGET_PCT, "within_budget": total <= BUDGET_PCT}
+    f: Figures = {"window_s": window_s, "processes": rows, "total_cpu_pct_of_core": total,
+                  "budget_pct_of_core": BUDGET_PCT, "within_budget": total <= BUDGET_PCT}
+    if bare is not None:
+        workers = [r for r in rows if r["role"].startswith(WORKER_ROLES)]
+        for r in workers:
+            r["above_floor"] = r["cpu_pct_of_core"] - bare["cpu_pct_of_core"]
+        f.update(bare_actor_pct_of_core=bare["cpu_pct_of_core"], num_ray_workers=len(workers),
+                 floor_pct_of_core=bare["cpu_pct_of_core"] * len(workers))
+    return f
+
+
+def _bare_actor() -> tuple[Any, int]:
+    """A Ray actor that does nothing, on the app's cluster: the per-process floor. Async, as Serve
+    replicas are; no CPU reserved, so it always fits."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class BareActor:
+        async def pid(self) -> int:
+            return os.getpid()
+
+    actor = BareActor.remote()  # type: ignore[attr-defined]
+    return actor, ray.get(actor.pid.remote(), timeout=120)
 
 
 def _warm_up(url: str, model: str) -> None:
@@ -181,6 +234,7 @@ def _bench(args: argparse.Namespace) -> Figures:
         if args.warmup:
             _warm_up(urls.api, cfg.model)
             progress("warm-up request answered")
+        _floor_actor, bare_pid = _bare_actor()  # kept referenced: it lives until the app stops
         progress(f"settling {args.settle:g} s, then measuring {args.window:g} s ...")
         time.sleep(args.settle)
         rows = measure(psutil.Process(), args.window)
@@ -192,18 +246,25 @@ def _bench(args: argparse.Namespace) -> Figures:
             import ray
 
             ray.shutdown()
-    figures = summarize(rows, args.window)
+    figures = summarize(rows, args.window, bare_pid)
     figures.update(config=args.config, model=cfg.model, warmup=args.warmup, settle_s=args.settle, startup_s=started_s)
     return figures
 
 
 def render(f: Figures) -> str:
-    rows = [(r["pid"], r["role"], r["cpu_pct_of_core"], r["wakeups_per_s"], r["threads"]) for r in f["processes"]]
-    rows.append(("", "total", f["total_cpu_pct_of_core"], sum(r["wakeups_per_s"] for r in f["processes"]), ""))
+    rows = [(r["pid"], r["role"], r["cpu_pct_of_core"], r.get("above_floor", ""), r["wakeups_per_s"], r["threads"],
+             " ".join(f"{name}:{pct:g}" for name, pct in r.get("busiest_threads", ())))
+            for r in f["processes"]]
+    rows.append(("", "total", f["total_cpu_pct_of_core"], "", sum(r["wakeups_per_s"] for r in f["processes"]),
+                 "", ""))
     verdict = "within" if f["within_budget"] else "OVER"
     title = (f"idle app ({f.get('config', '?')}), {f['window_s']:g} s window: "
              f"{f['total_cpu_pct_of_core']:.2f}% of one core, {verdict} the {f['budget_pct_of_core']:g}% budget")
-    return format_table(["pid", "process", "% of one core", "wake-ups/s", "threads"], rows, title=title)
+    if "floor_pct_of_core" in f:
+        title += (f"; Ray's floor: a bare actor {f['bare_actor_pct_of_core']:.2f}% x {f['num_ray_workers']} "
+                  f"worker processes = {f['floor_pct_of_core']:.2f}%")
+    return format_table(["pid", "process", "% of one core", "above floor", "wake-ups/s", "threads",
+                         "busiest threads (%)"], rows, title=title)
 
 
 def main(argv: list[str] | None = None) -> int:

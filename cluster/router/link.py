@@ -91,7 +91,8 @@ class SchedulerLink:
         self._assigned: dict[str, tuple[str | None, str]] = {}  # the scheduler's (prefill, decode)
         self._hashes: dict[str, tuple[int, ...]] = {}  # prompt block hashes of requests in flight
         self._cursors: dict[str, TelemetryCursor] = {}  # the scheduler's, from its last ack
-        self._telemetry_due = 0.0
+        self._telemetry_at = float("-inf")  # when telemetry was last relayed
+        self.telemetry_settled = False  # the last relay, after the last busy round, had nothing new
         self._pool_holdings: PoolHoldingsRead | None = None
         self._events = EventBuffer()  # not sent yet
         self._pending: list[tuple[int, list[FlightEvent]]] = []  # sent, not acknowledged
@@ -297,23 +298,27 @@ class SchedulerLink:
         # `cancelling()`: Python 3.11's wait_for can swallow a cancellation that races with its
         # result; the loop must still stop when its event loop shuts down.
         while not self._closed and not (me is not None and me.cancelling()):
+            heartbeat = self.pacer.idle  # nothing in flight and nothing poked since the last round
             self.pacer.round_starts()
             try:
-                await self.report_once()
+                await self.report_once(heartbeat)
             except Exception:  # noqa: BLE001 - the reporter must outlive any one bad round
                 logger.exception("scheduler report failed")
             self.pacer.round_ends()
             await self.pacer.pause()
 
-    async def report_once(self) -> None:
+    async def report_once(self, heartbeat: bool = False) -> None:
         """One round: loads, telemetry (when due) and pending events to the actor; a rebuild if
-        it asks for one."""
+        it asks for one. Heartbeats relay telemetry as busy rounds do until a relay finds nothing
+        new, then only every `idle_telemetry_interval_s`."""
+        self.telemetry_settled &= heartbeat
         loads = await self._source.loads() if self._source is not None else {}
         now = time.time()
         descs = [worker_load(w, now, self.cfg.block_size) for w in loads.values()]
         telemetry = []
-        if self._source is not None and time.monotonic() >= self._telemetry_due:
-            self._telemetry_due = time.monotonic() + self.cfg.telemetry_interval_s
+        every_s = self.cfg.idle_telemetry_interval_s if self.telemetry_settled else self.cfg.telemetry_interval_s
+        if self._source is not None and time.monotonic() >= self._telemetry_at + every_s:
+            self._telemetry_at = time.monotonic()
             got = await self._source.telemetry({name: self._cursors.get(name) for name in loads})
             telemetry = [worker_telemetry(t) for t in got.values()]
             if self._pool_holdings is not None:
@@ -322,6 +327,8 @@ class SchedulerLink:
                     telemetry += [pool_telemetry(store_id, read) for store_id, read in stores.items()]
                 except Exception as e:  # noqa: BLE001 - the pool's index is an estimate: skip a round
                     logger.debug("no prefix-pool holdings this round: %r", e)
+            self.telemetry_settled = heartbeat and not any(
+                t.steps or t.cache_changes or t.cached_full is not None for t in telemetry)
         events = self._events.take()
         if events:
             self._pending.append((next(self._seq), events))

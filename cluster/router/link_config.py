@@ -20,12 +20,14 @@ class LinkConfig:
     # With nothing in flight and nothing to tell, reports are heartbeats only, this often (at most a
     # quarter of the scheduler's `heartbeat_timeout_s`: workers silent that long are declared dead).
     idle_report_interval_s: float = 2.0
+    # Telemetry on those heartbeats: nothing runs, so step times and prefix holdings barely move
+    # (a store's evictions reach the scheduler up to this late; the first busy round relays it).
+    idle_telemetry_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if min(self.admit_timeout_s, self.call_timeout_s, self.report_interval_s, self.telemetry_interval_s,
-               self.idle_report_interval_s) <= 0:
-            raise ValueError("timeouts, report_interval_s, idle_report_interval_s and telemetry_interval_s must be "
-                             "positive")
+               self.idle_report_interval_s, self.idle_telemetry_interval_s) <= 0:
+            raise ValueError("timeouts and report and telemetry intervals must be positive")
 
 
 @dataclass

@@ -252,17 +252,18 @@ def test_workers_telemetry_fits_the_scheduler_and_steers_a_shared_prefix(dep: De
         async for event in dep.client.generate(req):
             decoded_by.add(event.worker)
 
-    async def two_telemetry_rounds() -> None:
-        # From every worker: the last steps and cache diffs (taken every 0.2 s) are relayed by then.
+    async def relayed_all() -> None:
+        # Every worker's last steps and cache diffs reach the scheduler: once the link is idle it
+        # relays telemetry until a relay finds nothing new (`telemetry_settled`).
         seen = dep.link.stats.num_telemetry
-        await async_wait_until(lambda: dep.link.stats.num_telemetry >= seen + 2 * len(dep.survivors()), 30.0,
-                               "two telemetry rounds")
+        await async_wait_until(lambda: dep.link.stats.num_telemetry > seen and dep.link.telemetry_settled, 30.0,
+                               "a telemetry relay with nothing new")
 
     async def main() -> None:
         await run(first)
-        await two_telemetry_rounds()
+        await relayed_all()
         await run(follow)
-        await two_telemetry_rounds()
+        await relayed_all()
 
     asyncio.run(main())
     a, b = dep.client.prefill_result("tele-a"), dep.client.prefill_result("tele-b")

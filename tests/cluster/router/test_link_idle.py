@@ -37,6 +37,9 @@ class _Actor:
 
 
 class _Source:
+    def __init__(self) -> None:
+        self.num_telemetry = 0
+
     def in_flight(self) -> list[object]:
         return []
 
@@ -44,6 +47,7 @@ class _Source:
         return {w.name: w for w in LOADS}
 
     async def telemetry(self, cursors: object) -> dict[str, object]:
+        self.num_telemetry += 1
         return {}
 
 
@@ -84,3 +88,27 @@ def test_an_idle_reporter_only_heartbeats_and_a_request_wakes_it() -> None:
 
     idle_reports, reports, calls = asyncio.run(main())
     assert idle_reports >= 1 and reports > idle_reports and "submit" in calls
+
+
+def test_heartbeats_relay_telemetry_only_every_idle_telemetry_interval() -> None:
+    sched = SchedulerConfig(heartbeat_timeout_s=4 * HOUR_S)
+    actor, source = _Actor(SchedulerService(sched)), _Source()
+    cfg = LinkConfig(report_interval_s=0.01, idle_report_interval_s=0.01, telemetry_interval_s=0.01,
+                     idle_telemetry_interval_s=HOUR_S)
+    link = SchedulerLink(actor, cfg, sched)  # type: ignore[arg-type]
+    link.attach(source)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        link._start()
+        # Heartbeats relay it until a relay finds nothing new (here: the first one).
+        await _until(lambda: link.telemetry_settled, "a heartbeat's relay found nothing new")
+        reports, relayed = link.stats.num_reports, source.num_telemetry
+        assert relayed >= 2  # the busy round's and the first heartbeat's
+        await _until(lambda: link.stats.num_reports >= reports + 5, "five heartbeats")
+        assert source.num_telemetry == relayed  # heartbeats: loads and the report, no telemetry
+        await link.admit(GenerationRequest("a", list(range(4, 44)), SamplingParams(max_tokens=8, temperature=0)))
+        assert not link.telemetry_settled  # a busy round: there may be news again
+        await _until(lambda: source.num_telemetry > relayed, "telemetry once a request woke the link")
+        link.close()
+
+    asyncio.run(main())
