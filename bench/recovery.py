@@ -18,7 +18,9 @@ prompt is prefilled alone and the same way in every run.
 Each scenario runs with both `--kv-recovery` modes (default): `shadow`, the streams' KV blocks are
 copied to the prefix-cache pool as they fill and the resume imports them (only the last partial
 block is computed again, one token a step), and `recompute`, the resume recomputes prompt + streamed
-tokens. Both deployments have the same one-store pool.
+tokens. Both deployments have the same one-store pool. With `shadow` the kill waits, after
+`--kill-after` tokens, until the victim's shadows of its streams' prompts are in the pool (no offer
+on its way): a kill before that recomputes, which is what `recompute` measures.
 Per scenario: streams that finished, each finished stream's stall (its longest gap between two
 tokens, which spans the failure) against the failure-free run's, the time from the kill to the
 replacement answering, the streams whose tokens equal the failure-free run's (with `recompute`, in
@@ -110,10 +112,23 @@ def deployment(cfg: WorkerConfig, num_decode: int, replace_dead: bool) -> Iterat
         ray.kill(scheduler, no_restart=True)
 
 
-async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after: int | None) -> dict[str, Any]:
+async def _shadows_landed(client: Router, victim: str, reqs: list[GenerationRequest], block_size: int) -> bool:
+    """Whether `victim` has no shadow offer still on its way to the pool and has shadowed at least
+    every full prompt block of `reqs` (the streams it holds)."""
+    actor = client.decodes[victim].actor  # type: ignore[attr-defined]
+    pool, shadows = await asyncio.gather(actor.pool_stats.remote(), actor.shadow_stats.remote())
+    want = sum(len(r.prompt_token_ids) // block_size for r in reqs)
+    return pool is not None and shadows is not None and pool.num_pending_offers == 0 and \
+        shadows.num_shadow_blocks >= want
+
+
+async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after: int | None,
+                      shadow_block_size: int | None = None) -> dict[str, Any]:
     """Streams `reqs` (each started once the previous one streams); with `kill_after`, kills the
     decode worker holding most of them when every stream has that many tokens, and times its
-    replacement."""
+    replacement. With `shadow_block_size` the kill also waits until the victim's shadows of those
+    streams' prompts are in the pool: what a resume from KV costs is measured on KV that exists
+    (a kill before they land recomputes, which the `recompute` mode measures)."""
     runs = {r.request_id: Run() for r in reqs}
 
     async def consume(req: GenerationRequest) -> None:
@@ -147,6 +162,11 @@ async def run_streams(client: Router, reqs: list[GenerationRequest], kill_after:
                 if flight.decode is not None:
                     held[flight.decode] = held.get(flight.decode, 0) + 1
             victim = max(sorted(held), key=lambda n: held[n])
+            on_victim = [r for r in reqs if (f := client.flights.get(r.request_id)) and f.decode == victim]
+            if shadow_block_size is not None and not await _shadows_landed(client, victim, on_victim,
+                                                                          shadow_block_size):
+                await asyncio.sleep(0.02)
+                continue
             ray.kill(client.decodes[victim].actor, no_restart=True)  # type: ignore[attr-defined]
             killed_at = time.monotonic()  # the clock of `Replacements.replaced_at`
             for run in runs.values():
@@ -174,7 +194,8 @@ async def scenario(cfg: WorkerConfig, reqs: list[GenerationRequest], num_decode:
         # prefill batching (which requests share a step) can change a later greedy token by itself.
         ref = _renamed((await run_streams(client, _as(reqs, "ref", recovery), None))["runs"], "ref")
         again = _renamed((await run_streams(client, _as(reqs, "again", recovery), None))["runs"], "again")
-        failed = await run_streams(client, _as(reqs, "run", recovery), kill_after)
+        failed = await run_streams(client, _as(reqs, "run", recovery), kill_after,
+                                   cfg.engine.block_size if shadow else None)
         failed["runs"] = _renamed(failed["runs"], "run")
         resumed = await _resumed_blocks(client)
     runs: dict[str, Run] = failed["runs"]
