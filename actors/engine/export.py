@@ -49,6 +49,21 @@ def export_hf(model: str | Path, dest: Path, *, dtype: str = "float32", force: b
     return write_hf(hf_model, tokenizer, dest, source=gguf, dtype=dtype)
 
 
+EXPORT_RECORD = "ferry_export.json"  # in every export: the GGUF it came from and its dtype
+
+
+def _record(source: Path, dtype: str) -> dict[str, str]:
+    return {"source": source.name, "dtype": dtype}
+
+
+def is_export_of(folder: Path, source: Path, dtype: str) -> bool:
+    """Whether `folder` is an export of the GGUF `source` in `dtype` (its record says so)."""
+    try:
+        return json.loads((folder / EXPORT_RECORD).read_text()) == _record(source, dtype)
+    except (OSError, ValueError):
+        return False
+
+
 def write_hf(hf_model, tokenizer, dest: Path, *, source: Path, dtype: str) -> Path:  # noqa: ANN001
     """A transformers model and tokenizer loaded from the GGUF `source`, saved as an HF folder at `dest`
     (replacing what is there)."""
@@ -63,7 +78,7 @@ def write_hf(hf_model, tokenizer, dest: Path, *, source: Path, dtype: str) -> Pa
     try:
         _save_weights(hf_model, tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "ferry_export.json").write_text(json.dumps({"source": source.name, "dtype": dtype}, indent=1) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(_record(source, dtype), indent=1) + "\n")
         missing = [name for name in HF_FILES if not (tmp / name).is_file()]
         if missing:
             raise RuntimeError(f"the export lacks {missing}; transformers {transformers.__version__} wrote "

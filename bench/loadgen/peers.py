@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -158,12 +157,11 @@ def vllm_dtype(spec: PeerSpec) -> str:
 def hf_folder(gguf: Path, dtype: str) -> Path:
     """`gguf` as a Hugging Face folder in `dtype` (`ferry models export`), written once under
     PEER_DIR/models and reused while its export record names the same file and dtype."""
+    from actors.engine.export import export_hf, is_export_of
+
     dest = PEER_DIR / "models" / f"{gguf.stem}-{dtype}"
-    with contextlib.suppress(OSError, ValueError):
-        record = json.loads((dest / "ferry_export.json").read_text())
-        if record == {"source": gguf.name, "dtype": dtype}:
-            return dest
-    from actors.engine.export import export_hf
+    if is_export_of(dest, gguf, dtype):
+        return dest
 
     log.info("exporting %s to %s for vLLM", gguf.name, dest)
     return export_hf(gguf, dest, dtype=dtype, force=True)
