@@ -20,6 +20,22 @@ from typing import Any
 from transfer.units import MIB
 
 
+def _all_stopped(pid: int) -> bool:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # no /proc here: trust the signal
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # a thread that just ended
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class PeerSpec:
     name: str
@@ -113,8 +129,16 @@ class Peer:
         """Sends a command without waiting; collect the answer with `read`."""
         self._conn.send(cmd)
 
-    def freeze(self) -> None:
+    def freeze(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, and back once every thread of the child is stopped: `kill` only queues the
+        signal, and a loaded machine may run one of its threads a moment longer (Linux `/proc`;
+        elsewhere the signal is trusted)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_stopped(self.proc.pid):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"peer {self.spec.name} not stopped {timeout_s:g}s after SIGSTOP")
+            time.sleep(0.005)
 
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
