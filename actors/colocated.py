@@ -30,7 +30,25 @@ def read_load(async_engine: AsyncEngine, name: str, kind: WorkerKind, num_reserv
                       kv_blocks_by_tenant=s.kv_blocks_by_tenant,
                       offloaded_bytes=s.offloaded_bytes, spec_method=s.spec_method,
                       num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
-                      num_spec_rounds=s.num_spec_rounds, num_decode_rows=s.num_decode_rows)
+                      num_spec_rounds=s.num_spec_rounds, num_decode_rows=s.num_decode_rows, node=node_id())
+
+
+_node_id = ""
+
+
+def node_id() -> str:
+    """The Ray node this process runs on ("" outside a Ray worker): where a worker's KV lives, so a
+    transfer's node pair can be told. Asked of Ray once, when it answers."""
+    global _node_id
+    if not _node_id:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                _node_id = ray.get_runtime_context().get_node_id() or ""
+        except Exception:  # noqa: BLE001 - no Ray here, or not in a worker: unknown
+            return ""
+    return _node_id
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -234,6 +234,7 @@ class WorkerLoad:
     # Seconds a decode engine waited between steps, lending the node's cores to a prefill
     # (`engine.cpu_cores: shared`, actors/core_share.py), since it started.
     cores_lent_s: float = 0.0
+    node: str = ""  # the Ray node id it runs on; "" where unknown (not in a Ray worker)
 
     @property
     def rss_mib(self) -> int | None:

@@ -65,6 +65,7 @@ class ClusterBackend:
             async for event in self.client.generate(req):
                 out = event.output
                 started, finished = True, out.finished
+                trace.on_worker(event.worker)
                 trace.on_output(out)
                 yield out
         finally:
@@ -77,8 +78,14 @@ class ClusterBackend:
         data = self.timelines.get(request_id)
         result = self.client.prefill_result(request_id)
         if data is not None and result is not None:
+            nodes = {name: w.node or None for name, w in self.client.board.cached().items()}
+            to = data["decode"]["workers"][0] if data["decode"]["workers"] else None
+            src, dst = nodes.get(result.worker), nodes.get(to) if to else None
             data["prefill"] = {
-                "worker": result.worker, "computed_tokens": result.num_computed_tokens,
+                "worker": result.worker, "node": src, "computed_tokens": result.num_computed_tokens,
+                # Where its KV went: the first decode worker, its node, and whether it crossed nodes
+                # (None where a node is unknown: a worker gone since, or not on Ray).
+                "kv_to": {"worker": to, "node": dst, "cross_node": None if src is None or dst is None else src != dst},
                 "local_hit_blocks": result.num_local_hit_blocks, "pool_hit_blocks": result.num_pool_hit_blocks,
                 "kv_wire_bytes": result.kv_wire_bytes, "queued_s": result.queued_s, "lookup_s": result.lookup_s,
                 "compute_s": result.compute_s, "transfer_s": result.transfer_s, "finished_at": result.finished_at,

@@ -68,6 +68,8 @@ REQUEST_METRICS = {name: MetricSpec(kind, text, tags, buckets) for name, kind, t
     ("ferry_prefill_stage_ms", _H, "Prefill stage times: queue, prefix_lookup, compute, kv_transfer (ms).", ("stage",),
      STAGE_BUCKETS_MS),
     ("ferry_kv_transfer_wire_bytes", _C, "KV bytes sent prefill -> decode, as on the wire.", ("worker",), ()),
+    ("ferry_kv_transfer_node_bytes", _C, "KV bytes sent prefill -> decode, as on the wire, by the Ray nodes of the "
+     "sender and the receiver (the same node: no network crossed).", ("src_node", "dst_node"), ()),
     ("ferry_kv_transfers", _C, "KV transfers prefill -> decode by codec, the tenant's KV fidelity (exact, lossy), "
      "and why the codec was chosen: forced (by policy), predicted (fastest), explore.", ("codec", "fidelity", "reason"), ()),
     ("ferry_kv_codec_bytes", _C, "KV bytes prefill -> decode by codec and fidelity: raw (before the codec) and wire "
@@ -182,6 +184,8 @@ class RequestMetrics:
                               ("kv_transfer", p.transfer_ms)):
                 m["ferry_prefill_stage_ms"].observe(ms, {"stage": stage})
             _inc(m["ferry_kv_transfer_wire_bytes"], p.kv_wire_bytes, {"worker": p.worker})
+            if p.node and p.kv_to_node:
+                _inc(m["ferry_kv_transfer_node_bytes"], p.kv_wire_bytes, {"src_node": p.node, "dst_node": p.kv_to_node})
             if p.kv_codec is not None:
                 codec = {"codec": p.kv_codec}
                 fidelity = {**codec, "fidelity": p.kv_fidelity or "unknown"}

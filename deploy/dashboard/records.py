@@ -49,6 +49,8 @@ class PrefillReport:
     kv_codec_actual_ms: float | None = None
     kv_fidelity: str | None = None  # exact | lossy: the tenant's, which bounded the codecs allowed
     kv_raw_bytes: int | None = None  # the KV before its codec
+    node: str | None = None  # the prefill worker's Ray node, and the decode worker's its KV went to
+    kv_to_node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def _prefill(section: Mapping[str, Any] | None) -> PrefillReport | None:
         kv_wire_bytes=int(section["kv_wire_bytes"]), queued_ms=float(section["queued_s"]) * 1e3,
         lookup_ms=float(section["lookup_s"]) * 1e3, compute_ms=float(section["compute_s"]) * 1e3,
         transfer_ms=float(section["transfer_s"]) * 1e3, **_codec(section.get("kv_codec")),
+        node=section.get("node"), kv_to_node=(section.get("kv_to") or {}).get("node"),
     )
 
 

@@ -6,7 +6,8 @@ Mental model: a trace is opened when a request is handed to the engine and fed e
 prefill cannot be told apart from outside, so the first stage ("prefill", queueing included) ends
 at the first token and "decode" runs from there to the last token. All times in the answer are
 milliseconds from arrival. `decode.spec` is what speculative decoding did for the request: draft
-tokens its decode engine proposed and accepted (the outputs' running totals, over every attempt).
+tokens its decode engine proposed and accepted (the outputs' running totals, over every attempt);
+`decode.workers` the workers that streamed its tokens, in order (one more for each resume elsewhere).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class Trace:
     # resumed request's count from its first attempt): draft tokens proposed, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    workers: list[str] = field(default_factory=list)  # that streamed its tokens, in order (a resume adds one)
+
+    def on_worker(self, worker: str) -> None:
+        if worker and (not self.workers or self.workers[-1] != worker):
+            self.workers.append(worker)
 
     def on_output(self, out: RequestOutput) -> None:
         self.token_times.extend([out.time] * len(out.new_token_ids))
@@ -68,7 +74,7 @@ class Trace:
             "stages": stages,
             "token_times_ms": times_ms,
             "itl_ms": itl_ms,
-            "decode": {"spec": self.spec()},
+            "decode": {"spec": self.spec(), "workers": list(self.workers)},
         }
 
     def spec(self) -> dict[str, Any]:

@@ -5,8 +5,8 @@ another role, so no actor can land on the wrong node. Through them, on SmolLM2 w
 deploy/serve.yaml settings: Ray's state API shows every actor on its role's node; greedy output
 equals the engine alone token for token, with the KV crossing from the prefill node to the decode
 node; a prefix the prefill engine has evicted comes back from the store on the cache node; the
-decode node lost under load costs no stream a token; and a role no node can host is refused at
-start with a clear error."""
+decode node lost under load costs no stream a token; the cache node lost under load costs only
+misses; and a role no node can host is refused at start with a clear error."""
 
 from __future__ import annotations
 
@@ -114,7 +114,9 @@ def test_every_role_on_its_node_greedy_exact_and_a_prefix_from_the_cache_node(
         got = list(pool.map(lambda p: complete(app, p, EXACT), prompts))
     _, lossy = complete(app, prompts[0], LOSSY)
     assert [text for text, _ in got] == want
-    check_codecs([timeline for _, timeline in got], lossy)  # every request went prefill node -> decode node
+    check_codecs([timeline for _, timeline in got], lossy, cross_node=True)  # prefill node -> decode node
+    assert {(t["prefill"]["node"], t["prefill"]["kv_to"]["node"]) for _, t in got} == \
+        {(nodes.by_role["prefill"].node_id, nodes.by_role["decode"].node_id)}
     # Other long prompts push the first one's blocks out of the prefill engine's own 91 blocks; the
     # store on the cache node still holds them, and a prompt sharing them takes them from there.
     for other in long_prompts(smollm2_gguf, 700, 3)[1:]:
@@ -142,15 +144,11 @@ STREAM_PROMPTS = [f"{start} Here is what happened next:" for start in (
     "Rivers carry sediment from the mountains to")]
 
 
-def test_the_decode_node_lost_under_load_every_stream_finishes_exactly(
-        app: str, nodes: Nodes, smollm2_gguf: Path) -> None:
-    """Six streams run; the decode node goes at once (every process of it, as a lost machine): each
-    stream resumes on the prefill node (`lend_prefill`, the default recovery recomputing its KV) and
-    ends with the engine's own greedy text; a new request is served or gets 503 with Retry-After,
-    never hangs; once a decode node is back, the app serves through it and no KV block stays taken."""
+def _streams_through(app: str, action: Any) -> tuple[list[str], list[str]]:
+    """STREAM_PROMPTS streamed at once (greedy, exact); `action()` once each has 3 tokens. Their
+    texts and any errors, after every stream ended (a stream that hangs fails the test)."""
     import httpx2
 
-    want = reference(smollm2_gguf, STREAM_PROMPTS, STREAM_TOKENS)
     texts: list[list[str]] = [[] for _ in STREAM_PROMPTS]
     errors: list[str] = []
     started = [threading.Event() for _ in STREAM_PROMPTS]
@@ -176,12 +174,26 @@ def test_the_decode_node_lost_under_load_every_stream_finishes_exactly(
         reader.start()
     for i, event in enumerate(started):
         assert event.wait(180), f"stream {i} never started"
-    nodes.cluster.remove_node(nodes.by_role["decode"], allow_graceful=False)
+    action()
     for reader in readers:
         reader.join(300)
     assert not any(r.is_alive() for r in readers), "a stream hung"
+    return ["".join(t) for t in texts], errors
+
+
+def test_the_decode_node_lost_under_load_every_stream_finishes_exactly(
+        app: str, nodes: Nodes, smollm2_gguf: Path) -> None:
+    """Six streams run; the decode node goes at once (every process of it, as a lost machine): each
+    stream resumes on the prefill node (`lend_prefill`, the default recovery recomputing its KV) and
+    ends with the engine's own greedy text; a new request is served or gets 503 with Retry-After,
+    never hangs; once a decode node is back, the app serves through it and no KV block stays taken."""
+    import httpx2
+
+    want = reference(smollm2_gguf, STREAM_PROMPTS, STREAM_TOKENS)
+    texts, errors = _streams_through(app, lambda: nodes.cluster.remove_node(nodes.by_role["decode"],
+                                                                            allow_graceful=False))
     assert not errors, errors
-    assert ["".join(t) for t in texts] == want
+    assert texts == want
     # While no decode node is up, a new request is served (the prefill node decodes it) or refused
     # with Retry-After; never lost.
     body = {"model": "m", "prompt": SHORT[0], "max_tokens": 4, "temperature": 0}
@@ -201,3 +213,22 @@ def test_the_decode_node_lost_under_load_every_stream_finishes_exactly(
         assert time.monotonic() < deadline, workers
         time.sleep(1)
     assert complete(app, SHORT[0], EXACT)[0] == reference(smollm2_gguf, SHORT[:1])[0]
+
+
+def test_the_cache_node_lost_under_load_costs_only_misses(app: str, nodes: Nodes, smollm2_gguf: Path) -> None:
+    """After the decode node's test (a decode node is back): six streams run and the cache node goes
+    at once. The pool's store is gone, so every lookup misses and every shadow offer fails; no
+    stream notices (same greedy text), and a prompt that the pool held before is computed again,
+    exactly, with no pool hit."""
+    want = reference(smollm2_gguf, STREAM_PROMPTS, STREAM_TOKENS)
+    long = long_prompts(smollm2_gguf, 600, 1)[0]
+    complete(app, long, EXACT)  # its blocks now in the store on the cache node (and the prefill engine)
+    for other in long_prompts(smollm2_gguf, 700, 3)[1:]:  # pushed out of the prefill engine's own blocks
+        complete(app, other, EXACT)
+    texts, errors = _streams_through(app, lambda: nodes.cluster.remove_node(nodes.by_role["cache"],
+                                                                            allow_graceful=False))
+    assert not errors, errors
+    assert texts == want
+    text, timeline = complete(app, long + " And then", EXACT)
+    assert text == reference(smollm2_gguf, [long + " And then"])[0]
+    assert timeline["prefill"]["pool_hit_blocks"] == 0, timeline["prefill"]

@@ -88,8 +88,13 @@ def complete(url: str, prompt: str, headers: dict[str, str]) -> tuple[str, dict[
     return r.json()["choices"][0]["text"], timeline.json()
 
 
-def check_codecs(exact: list[dict[str, Any]], lossy: dict[str, Any]) -> None:
-    """Every exact tenant's transfer went lossless; the lossy tenant's as the int8 it asked for."""
+def check_codecs(exact: list[dict[str, Any]], lossy: dict[str, Any], cross_node: bool = False) -> None:
+    """Every exact tenant's transfer went lossless; the lossy tenant's as the int8 it asked for;
+    each from the prefill worker's Ray node to its decode worker's, another one or not."""
+    for timeline in [*exact, lossy]:
+        to = timeline["prefill"]["kv_to"]
+        assert to["worker"] == timeline["decode"]["workers"][0] and to["cross_node"] is cross_node, timeline["prefill"]
+        assert (timeline["prefill"]["node"] != to["node"]) is cross_node and to["node"], timeline["prefill"]
     for timeline in exact:
         codec = timeline["prefill"]["kv_codec"]
         assert codec["codec"] in ("none", "zstd") and codec["lossless"] and codec["fidelity"] == "exact", codec

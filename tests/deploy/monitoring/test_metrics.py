@@ -49,6 +49,12 @@ def test_a_finished_timeline_becomes_histogram_observations_and_counts(rec: Reco
     assert rec.increments("ferry_kv_transfer_wire_bytes") == []  # colocated: no prefill report
 
 
+def test_the_kv_transfer_bytes_are_counted_by_node_pair(rec: Recorded) -> None:
+    crossed = {**PREFILL, "node": "n-prefill", "kv_to": {"worker": "d0", "node": "n-decode", "cross_node": True}}
+    RequestMetrics().on_finished(timeline("r", "acme", 0.0, [25.0], "length", prompt=64, prefill=crossed))
+    assert rec.total("ferry_kv_transfer_node_bytes", src_node="n-prefill", dst_node="n-decode") == 4096
+
+
 def test_a_disaggregated_timeline_also_records_the_prefill_report(rec: Recorded) -> None:
     RequestMetrics().on_finished(timeline("r", "acme", 0.0, [25.0], "length", prompt=64, prefill=PREFILL))
     assert rec.observed("ferry_prefill_stage_ms", stage="queue") == [2.0]
@@ -56,6 +62,7 @@ def test_a_disaggregated_timeline_also_records_the_prefill_report(rec: Recorded)
     assert rec.observed("ferry_prefill_stage_ms", stage="compute") == [10.0]
     assert rec.observed("ferry_prefill_stage_ms", stage="kv_transfer") == [5.0]
     assert rec.total("ferry_kv_transfer_wire_bytes", worker="p0") == 4096
+    assert rec.increments("ferry_kv_transfer_node_bytes") == []  # the report names no nodes
     assert (rec.total("ferry_prefix_reused_blocks", tier="hbm"), rec.total("ferry_prefix_reused_blocks", tier="pool")) \
         == (1, 2)
     assert rec.observed("ferry_tpot_ms") == []  # one token: no TPOT
