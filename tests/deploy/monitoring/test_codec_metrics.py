@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import PrefillResult
+from actors.messages import PrefillResult, WorkerLoad
 from deploy.cluster_backend import ClusterBackend
 from deploy.dashboard.records import record_from_timeline
 from deploy.metrics import RequestMetrics
@@ -38,9 +38,15 @@ def test_a_report_without_a_codec_section_records_no_codec(rec: Recorded) -> Non
     assert record_from_timeline(timeline("r", "a", 0.0, [1.0], "stop", prefill=PREFILL)).prefill.kv_codec is None  # type: ignore[union-attr]
 
 
+class _Board:
+    def cached(self) -> dict[str, WorkerLoad]:
+        return {}  # no loads yet: the transfer's nodes are unknown
+
+
 class _Client:
     def __init__(self, result: PrefillResult) -> None:
         self.result = result
+        self.board = _Board()
 
     def prefill_result(self, request_id: str) -> PrefillResult | None:
         return self.result if request_id == self.result.request_id else None
@@ -56,7 +62,10 @@ def test_the_request_timeline_carries_the_prefill_workers_codec_report() -> None
     backend = ClusterBackend.__new__(ClusterBackend)  # only what `timeline` reads
     backend.timelines, backend.client = TimelineRecorder(), _Client(result)  # type: ignore[assignment]
     backend.timelines.open("r1", "acme")
-    section = backend.timeline("r1")["prefill"]["kv_codec"]  # type: ignore[index]
+    prefill = backend.timeline("r1")["prefill"]  # type: ignore[index]
+    # No token streamed yet and no load polled: where the KV went is not known.
+    assert (prefill["node"], prefill["kv_to"]) == (None, {"worker": None, "node": None, "cross_node": None})
+    section = prefill["kv_codec"]
     assert section == {"codec": "fp8", "reason": "explore", "predicted_s": 0.0045, "actual_s": 0.005,
                        "encode_s": 0.002, "send_s": 0.0025, "kv_raw_bytes": 8192,
                        "predictions_s": {"none": 0.004, "int8": 0.0042, "fp8": 0.0045},
