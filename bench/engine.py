@@ -5,7 +5,7 @@ On CPU (`--device cpu`, the default where torch sees no GPU) both run the real G
 random-smollm2` writes random weights of SmolLM2-135M's exact shapes to a temporary HF folder first
 (seconds), for a GPU machine without the GGUF or a network: speed does not depend on the weights.
 What is measured, per dtype:
-- prefill: one request with a 512-token prompt and max_tokens=1, in one chunk; prompt tokens / wall
+- prefill: one request with a 512-token prompt (`--prefill-tokens`) and max_tokens=1, in one chunk; prompt tokens / wall
   time of the engine steps, median of a few runs after a warm-up. transformers: 512 / time of
   `generate(max_new_tokens=1)`.
 - decode at B sequences: B random 64-token prompts, `--gen-tokens` greedy tokens each (ignore_eos).
@@ -24,7 +24,7 @@ run interleaved (each figure right after its counterpart) so that load from othe
 shared box hits both alike. No assertions: targets are printed beside the figures.
 
     .venv/bin/python bench/engine.py [--device auto|cpu|cuda|cuda:N] [--model smollm2|random-smollm2|PATH]
-        [--dtypes float32,bfloat16] [--batch-sizes 1,8,32] [--gen-tokens 64] [--skip-transformers]
+        [--dtypes float32,bfloat16] [--batch-sizes 1,8,32] [--gen-tokens 64] [--prefill-tokens 512] [--skip-transformers]
         [--threads N] [--json]
 Defaults per device: CPU float32,bfloat16 at B=1,8,32; CUDA bfloat16 at B=1,32,256.
 """
@@ -103,7 +103,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
     device: torch.device = args.torch_device
     on_cuda = device.type == "cuda"
     progress(f"{dtype}: loading ferry engine on {device}")
-    ferry = FerryRunner(args.model_path, dtype, max(batches), rng, device)
+    ferry = FerryRunner(args.model_path, dtype, max(batches), rng, device, prefill_tokens=args.prefill_tokens)
     hf: TransformersRunner | None = None
     if not args.skip_transformers:
         progress(f"{dtype}: loading transformers model from the same weights")
@@ -122,10 +122,10 @@ def bench_dtype(dtype: str, args: argparse.Namespace, bandwidth: float, rng: ran
     ferry_prefill: list[float] = []
     hf_prefill: list[float] = []
     for i in range(args.prefill_runs):
-        progress(f"{dtype}: prefill {PREFILL_TOKENS} run {i + 1}/{args.prefill_runs}")
+        progress(f"{dtype}: prefill {args.prefill_tokens} run {i + 1}/{args.prefill_runs}")
         ferry_prefill.append(ferry.prefill_tok_s())
         if hf is not None:
-            hf_prefill.append(hf.prefill_tok_s())
+            hf_prefill.append(hf.prefill_tok_s(args.prefill_tokens))
 
     ferry_decode: dict[str, dict[str, float]] = {}
     hf_decode: dict[str, dict[str, float]] = {}
@@ -199,7 +199,7 @@ def render(figures: dict[str, Any]) -> str:
     rows = []
     for dtype, d in figures["dtypes"].items():
         hf, ratio, targets = d["transformers"], d["ratio"], d["targets"]
-        rows.append([dtype, f"prefill {PREFILL_TOKENS}", d["ferry"]["prefill_tok_s"],
+        rows.append([dtype, f"prefill {figures['config']['prefill_tokens']}", d["ferry"]["prefill_tok_s"],
                      hf["prefill_tok_s"] if hf else None, f"{ratio['prefill']:.2f}x" if ratio else None, ""])
         for b, dec in d["ferry"]["decode"].items():
             target = ""
@@ -254,7 +254,8 @@ def peer_table(figures: dict[str, Any]) -> list[str]:
         if "error" in v:
             rows.append([dtype, "vLLM unavailable", None, None, v["error"][:80]])
             continue
-        pairs = [(f"prefill {PREFILL_TOKENS}", d["ferry"]["prefill_tok_s"], v["prefill_tok_s"].get(str(PREFILL_TOKENS)))]
+        n = figures["config"]["prefill_tokens"]
+        pairs = [(f"prefill {n}", d["ferry"]["prefill_tok_s"], v["prefill_tok_s"].get(str(n)))]
         pairs += [(f"decode B={b}", dec["tok_s"], v["decode_tok_s"].get(b)) for b, dec in d["ferry"]["decode"].items()]
         rows += [[dtype, phase, f, p, f"{f / p:.2f}x" if f and p else None] for phase, f, p in pairs]
     if not rows:
@@ -297,14 +298,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             figures["memcpy_bytes_per_s"] = bandwidth
         rng = random.Random(args.seed)
         figures["config"] = {"torch_threads": args.threads, "batch_sizes": args.batch_sizes,
-                             "gen_tokens": args.gen_tokens, "prefill_tokens": PREFILL_TOKENS,
+                             "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens,
                              "decode_prompt_tokens": DECODE_PROMPT_TOKENS, "prefill_runs": args.prefill_runs,
                              "skip_transformers": args.skip_transformers}
         figures["dtypes"] = {dtype: bench_dtype(dtype, args, bandwidth, rng) for dtype in args.dtypes}
         if args.peer == "vllm":  # after ferry's runs: the two never share the cores
             for dtype, d in figures["dtypes"].items():
                 d["vllm"] = vllm_figures(Path(args.model_path), dtype, args.batch_sizes, args.gen_tokens,
-                                         args.threads, Path(tmp))
+                                         args.threads, Path(tmp), prefill_tokens=args.prefill_tokens)
     figures["peak_rss_bytes"] = peak_rss_bytes()
     if on_cuda:
         figures["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -320,6 +321,7 @@ def main() -> None:
                         help="default 1,8,32 on CPU, 1,32,256 on CUDA")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--prefill-runs", type=int, default=3)
+    parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="the prefill prompt's length")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-eager", action="store_true", help="CUDA: no enforce_eager B=1 run")
     parser.add_argument("--seed", type=int, default=0)

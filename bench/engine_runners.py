@@ -43,8 +43,9 @@ def synchronize(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------ ferry
 class FerryRunner:
     def __init__(self, model: str | Path, dtype: str, max_batch: int, rng: random.Random,
-                 device: torch.device, enforce_eager: bool = False) -> None:
-        batch_tokens = max(PREFILL_TOKENS, max_batch * DECODE_PROMPT_TOKENS)
+                 device: torch.device, enforce_eager: bool = False, prefill_tokens: int = PREFILL_TOKENS) -> None:
+        self.prefill_tokens = prefill_tokens
+        batch_tokens = max(prefill_tokens, max_batch * DECODE_PROMPT_TOKENS)
         if device.type == "cpu":
             cfg = EngineConfig(
                 dtype=dtype,
@@ -56,7 +57,7 @@ class FerryRunner:
             )
         else:  # the pool is planned from free device memory, capped by max_num_seqs x max_model_len
             cfg = EngineConfig(dtype=dtype, device=str(device), max_num_seqs=max(max_batch, 1),
-                               max_num_batched_tokens=batch_tokens, max_model_len=CUDA_MAX_MODEL_LEN,
+                               max_num_batched_tokens=batch_tokens, max_model_len=max(CUDA_MAX_MODEL_LEN, prefill_tokens + 1),
                                enforce_eager=enforce_eager)
         self.device = device
         self.engine = Engine.from_pretrained(model, cfg)
@@ -70,12 +71,12 @@ class FerryRunner:
         self._next_id += 1
 
     def prefill_tok_s(self) -> float:
-        self._add(random_prompt(self.rng, PREFILL_TOKENS, self.vocab_size), max_tokens=1)
+        self._add(random_prompt(self.rng, self.prefill_tokens, self.vocab_size), max_tokens=1)
         t0 = time.perf_counter()
         while self.engine.has_unfinished_requests():
             self.engine.step()
         synchronize(self.device)
-        return PREFILL_TOKENS / (time.perf_counter() - t0)
+        return self.prefill_tokens / (time.perf_counter() - t0)
 
     def decode_tok_s(self, batch: int, gen_tokens: int) -> dict[str, float]:
         for _ in range(batch):
@@ -153,8 +154,8 @@ class TransformersRunner:
         rows = [random_prompt(self.rng, num_tokens, self.vocab_size) for _ in range(batch)]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def prefill_tok_s(self) -> float:
-        return PREFILL_TOKENS / self._generate_s(self._prompts(1, PREFILL_TOKENS), 1)
+    def prefill_tok_s(self, num_tokens: int = PREFILL_TOKENS) -> float:
+        return num_tokens / self._generate_s(self._prompts(1, num_tokens), 1)
 
     def decode_tok_s(self, batch: int, gen_tokens: int) -> dict[str, float]:
         ids = self._prompts(batch, DECODE_PROMPT_TOKENS)
@@ -171,7 +172,7 @@ PROBE = Path(__file__).resolve().parent / "vllm_probe.py"
 
 
 def vllm_figures(model: Path, dtype: str, batch_sizes: list[int], gen_tokens: int, threads: int, tmp: Path,
-                 timeout_s: float = 1800.0) -> dict[str, Any]:
+                 timeout_s: float = 1800.0, prefill_tokens: int = PREFILL_TOKENS) -> dict[str, Any]:
     """vLLM's CPU engine on the same weights and prompt lengths (bench/vllm_probe.py, run by the venv
     bench/build_peers.sh vllm makes; a GGUF is exported to an HF folder once, `hf_folder`), as that script's JSON;
     {"error": why} when vLLM is not installed or fails."""
@@ -183,7 +184,7 @@ def vllm_figures(model: Path, dtype: str, batch_sizes: list[int], gen_tokens: in
         folder = hf_folder(model, dtype)
     progress(f"{dtype}: vLLM CPU on the same weights (bench/vllm_probe.py)")
     argv = [str(VLLM_PYTHON), str(PROBE), "--model", str(folder), "--dtype", dtype,
-            "--prefill-tokens", str(PREFILL_TOKENS), "--batch-sizes", ",".join(map(str, batch_sizes)),
+            "--prefill-tokens", str(prefill_tokens), "--batch-sizes", ",".join(map(str, batch_sizes)),
             "--gen-tokens", str(gen_tokens), "--decode-prompt-tokens", str(DECODE_PROMPT_TOKENS),
             "--threads", str(threads)]
     try:

@@ -11,11 +11,12 @@ from bench import engine, engine_runners
 
 
 def test_the_peer_table_divides_ferry_by_vllm_per_phase() -> None:
-    figures = {"dtypes": {"float32": {
+    figures = {"config": {"prefill_tokens": 1024}, "dtypes": {"float32": {
         "ferry": {"prefill_tok_s": 600.0, "decode": {"1": {"tok_s": 20.0}, "16": {"tok_s": 160.0}}},
-        "vllm": {"prefill_tok_s": {"512": 400.0}, "decode_tok_s": {"1": 40.0, "16": 160.0}}}}}
+        "vllm": {"prefill_tok_s": {"512": 1.0, "1024": 400.0}, "decode_tok_s": {"1": 40.0, "16": 160.0}}}}}
     table = engine.peer_table(figures)[0]
     assert "1.50x" in table and "0.50x" in table and "1.00x" in table
+    assert "prefill 1024" in table  # the length that was run (--prefill-tokens), vLLM's figure for it
     assert engine.peer_table({"dtypes": {"float32": {"ferry": {}}}}) == []  # no --peer: no table
 
 
