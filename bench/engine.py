@@ -6,7 +6,7 @@ random-smollm2` writes random weights of SmolLM2-135M's exact shapes to a tempor
 (seconds), for a GPU machine without the GGUF or a network: speed does not depend on the weights.
 What is measured, per dtype:
 - prefill: one request with a 512-token prompt (`--prefill-tokens`) and max_tokens=1, in one chunk; prompt tokens / wall
-  time of the engine steps, median of a few runs after a warm-up. transformers: 512 / time of
+  time of the engine steps, median of a few runs after a warm-up. transformers: prompt tokens / time of
   `generate(max_new_tokens=1)`.
 - decode at B sequences: B random 64-token prompts, `--gen-tokens` greedy tokens each (ignore_eos).
   Only the window after every sequence has its first token counts: tokens emitted in it / its

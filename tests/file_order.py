@@ -2,9 +2,10 @@
 
 `make test` runs two workers with `--dist loadfile` (each file whole on one worker). xdist's own
 order puts the files with the most tests first, so the few-but-long files (the multi-node cluster,
-the recovery bench) started last and one worker ran them alone at the end while the other sat idle.
-Handing out the longest files first (and `--no-loadscope-reorder`, so xdist keeps this order) lets
-the short files fill in around them.
+the recovery bench) start among the last; whether one worker then runs alone at the end depends on
+the durations (on this box, replaying them through both orders gives the same finish). Handing out
+the longest files first (and `--no-loadscope-reorder`, so xdist keeps this order) leaves only short
+files for the end, whatever the durations are.
 
 A file's length is its seconds in tests/file_durations.json, measured on a full run here; a file
 not listed there is estimated from its markers. Refresh the list after a full run with
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 DURATIONS = Path(__file__).with_name("file_durations.json")
+ROOT = DURATIONS.parent.parent  # node ids and junit class names are relative to it
 
 # Estimated seconds per test for a file the durations list does not know yet.
 SLOW_TEST_S = 20.0
@@ -72,7 +74,7 @@ def durations_from_junit(junit_xml: Path) -> dict[str, float]:
         module = case.get("classname", "")
         # classname is the dotted module, plus the class for tests in a class.
         parts = module.split(".")
-        while parts and not Path(*parts).with_suffix(".py").exists():
+        while parts and not (ROOT / Path(*parts).with_suffix(".py")).exists():
             parts.pop()
         if parts:
             seconds[str(Path(*parts).with_suffix(".py"))] += float(case.get("time", 0.0))

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.file_order import SLOW_TEST_S, durations_from_junit, load_durations, longest_files_first
+from tests.file_order import durations_from_junit, load_durations, longest_files_first
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +32,10 @@ def test_an_unlisted_file_is_estimated_from_its_markers_and_keeps_its_own_order(
     slow = [_Item("tests/test_slow.py::test_b", "slow"), _Item("tests/test_slow.py::test_a", "slow")]
     ordered = longest_files_first(plain + slow, {})
     assert _files(ordered) == _files(slow) + _files(plain)
-    assert 2 * SLOW_TEST_S > 10 * 3.0
 
 
 def test_junit_times_are_summed_per_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)  # file names resolve against the checkout, not the working folder
     junit = tmp_path / "junit.xml"
     junit.write_text(
         '<testsuites><testsuite name="pytest">'
