@@ -24,12 +24,11 @@ run: $(STAMP)
 # Two pytest workers (pytest-xdist), each test file whole on one of them: its module fixtures (a
 # Serve app, a multi-node cluster) stay in one process, and each worker has its own Ray cluster.
 # Much of a Ray test is waiting on other processes, so two workers fit 2 cores; TEST_WORKERS=0 runs
-# in this process only. Files are handed out longest first (tests/file_order.py; xdist's own
-# reorder, by number of tests, is off).
+# in this process only.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

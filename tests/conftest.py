@@ -5,8 +5,6 @@ from types import ModuleType
 
 import pytest
 
-from tests.file_order import load_durations, longest_files_first
-
 # Before any test module imports ray: Ray reads these at import time. Every Ray port then binds
 # 127.0.0.1 (shared/NOTES-ray.md) and the test clusters need no auth token.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -27,7 +25,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-    items[:] = longest_files_first(items, load_durations())
 
 
 @pytest.fixture(scope="session")
