@@ -112,9 +112,12 @@ class ClusterBackend:
                    for name, w in loads.items()}
         report: dict[str, Any] = {"healthy": can_serve(loads.values()), "workers": workers}
         room = self.client.room  # requests waiting for a decode row now, and how many ever had to
+        cfg = self.client.cfg  # a waiter is refused once nothing moved for stall_after_s, or at max_wait_s
         report["row_queue"] = {"waiting": len(room), "num_queued": room.num_queued,
                                "capacity_coming": self.client.capacity_coming(),
-                               "interactive_waiting": room.interactive_waiting()}
+                               "interactive_waiting": room.interactive_waiting(),
+                               "oldest_wait_s": round(room.oldest_wait_s(), 1),
+                               "stall_after_s": cfg.room_wait_s, "max_wait_s": cfg.room_max_wait_s}
         down = sorted(name for name, w in workers.items() if not w["healthy"])
         if down:  # serving on the others (or not at all); dead ones are being replaced
             reps = self.client.replacements

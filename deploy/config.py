@@ -203,8 +203,12 @@ class AppConfig(ConfigSection):
     api: ApiConfig = ApiConfig(auth_required=False)
     placement: PlacementSection = PlacementSection()
     request_timeout_s: float = Field(120.0, gt=0, description="longest a request may wait between tokens")
-    room_wait_s: float = Field(30.0, ge=0, description="a new request that finds every decode row taken waits this "
-                                                       "long for one (interactive first), then gets 429; 0: 429 at once")
+    room_wait_s: float = Field(30.0, ge=0, description="a new request that finds every decode row taken waits for "
+                                                       "one (interactive first) until nothing has moved for this long "
+                                                       "(no row freed or streamed, no decode worker joined or coming), "
+                                                       "then gets 429; 0: 429 at once")
+    room_max_wait_s: float = Field(300.0, ge=0, description="the most a new request waits for a decode row in all, "
+                                                            "in a queue that moves")
     stream_interval: int = Field(
         1, ge=1, description="tokens per streamed delta after the first: 1 sends every token; more sends fewer, "
                              "larger deltas (less CPU per token on the way to the client, same TTFT and TPOT, "
@@ -300,7 +304,8 @@ class AppConfig(ConfigSection):
 
     def to_router_config(self) -> RouterConfig:
         return RouterConfig(prefill_timeout_s=self.request_timeout_s, token_timeout_s=self.request_timeout_s,
-                            room_wait_s=self.room_wait_s, lend_prefill=self.lend_prefill)
+                            room_wait_s=self.room_wait_s, room_max_wait_s=self.room_max_wait_s,
+                            lend_prefill=self.lend_prefill)
 
 
 class ConfigError(ValueError):

@@ -263,6 +263,7 @@ class Router:
                         continue
                     if control is not None and event.output.new_token_ids:
                         control.on_tokens(flight, len(event.output.new_token_ids), event.emitted_at)
+                    self.room.streamed()
                     yield event
         finally:
             self.board.in_flight[decode] -= 1
@@ -286,24 +287,29 @@ class Router:
                 if self.cfg.room_wait_s <= 0:
                     raise
         start_prefetch(self.prefills, choice.prefill, req)  # it waits: its prefix comes up from disk meanwhile
-        patience = Patience(self.room, lambda: self.decodes, self.capacity_coming,
-                            self.cfg.room_wait_s, self.recovery_cfg.replace_wait_s)
+        patience = Patience(self.room, lambda: self.decodes, self.capacity_coming, self.cfg.room_wait_s,
+                            self.cfg.room_max_wait_s, self.board.decode_rows_stepped)
         ticket = self.room.join(rank, key)
         try:
-            while (left := patience.left_s()) > 0:
+            while (left := patience.left_s()) > 0 or await self._rows_moved(patience):
                 if rank == 0:
                     self.preemptions.make_room(choice.decodes[0])
-                if not await self.room.turn(ticket, left):
+                if not await self.room.turn(ticket, max(left, self.room.poll_s)):
                     continue  # not its turn yet: `patience` says whether it keeps its place
                 try:
                     return await self._announce(req, choice.decodes + tuple(n for n in self.decodes
                                                                             if n not in choice.decodes))
                 except NoCapacity:
                     pass
-            raise NoCapacity(f"no decode worker had room for {req.request_id}: the queue did not move for "
-                             f"{self.cfg.room_wait_s:g}s (waited {time.monotonic() - patience.start:.0f}s)")
+            raise NoCapacity(f"no decode worker had room for {req.request_id}: {patience.why_over()}")
         finally:
             self.room.leave(ticket)
+
+    async def _rows_moved(self, patience: Patience) -> bool:
+        """At the end of a wait: whether the decode workers stepped rows since (other callers' rows
+        free too), from a fresh poll of their loads."""
+        await self.board.loads()
+        return patience.left_s() > 0
 
     async def _announce(self, req: GenerationRequest, decodes: tuple[str, ...]) -> str:
         for name in decodes:

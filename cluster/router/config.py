@@ -15,15 +15,18 @@ class RouterConfig:
     # More for the first event while the worker is up with requests queued for a row (follow.py).
     row_wait_s: float = 600.0
     load_ttl_s: float = 0.2  # how long polled worker loads are trusted
-    room_wait_s: float = 30.0  # a new request that finds every decode row taken queues this long (0: refuse at once)
+    # A new request that finds every decode row taken queues until nothing has moved for
+    # `room_wait_s` (0: refuse at once), and never longer than `room_max_wait_s` in all (room.py).
+    room_wait_s: float = 30.0
+    room_max_wait_s: float = 300.0
     # With no decode worker up, a recovery resumes on a prefill worker until one is back.
     lend_prefill: bool = True
 
     def __post_init__(self) -> None:
         if min(self.call_timeout_s, self.prefill_timeout_s, self.token_timeout_s) <= 0 or self.load_ttl_s < 0:
             raise ValueError("timeouts must be positive and load_ttl_s >= 0")
-        if self.room_wait_s < 0 or self.row_wait_s < 0:
-            raise ValueError("room_wait_s and row_wait_s must be >= 0")
+        if self.room_wait_s < 0 or self.row_wait_s < 0 or self.room_max_wait_s < 0:
+            raise ValueError("room_wait_s, room_max_wait_s and row_wait_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ class LoadBoard:
             out[name] = replace(load, num_waiting=load.num_waiting + extra) if extra > 0 else load
         return out
 
+    def decode_rows_stepped(self) -> int:
+        """The decode rows the decode workers stepped since they started, summed, as of the last
+        poll (`WorkerLoad.num_decode_rows`): it grows while any caller's rows decode there."""
+        return sum(self._loads[n].num_decode_rows for n in self.decodes if n in self._loads)
+
     def split(self, loads: Mapping[str, WorkerLoad]) -> tuple[list[WorkerLoad], list[WorkerLoad]]:
         """(prefill loads, decode loads), as placement takes them."""
         return [loads[n] for n in self.prefills if n in loads], [loads[n] for n in self.decodes if n in loads]

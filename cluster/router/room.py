@@ -9,8 +9,9 @@ scheduler's urgency or its arrival time) and only the head of the queue asks aga
 this caller frees (`release`), or every `poll_s` (rows freed by other callers' requests). The head
 leaving wakes the next one. A new request may skip the queue only if it outranks everyone waiting.
 `interactive_waiting` lets batch work resumed after a preemption yield its turn. `Patience` is
-how long a waiter keeps its place: a queue that moves is a busy cluster, served in order; one that
-has not moved for a while is a stalled one, and its waiters are refused.
+how long a waiter keeps its place: a queue that moves (a waiter served, a decode worker joined, the
+rows that hold it streaming tokens) is a busy cluster, served in order, up to the most any request
+waits; one where nothing has moved for a while is a stalled one, and its waiters are refused.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class RoomQueue:
         self._heap: list[tuple[int, float, int]] = []  # (rank, key, ticket); stale tickets deleted lazily
         self._waiting: dict[int, tuple[int, asyncio.Event]] = {}  # ticket -> (rank, wake-up)
         self._tickets = itertools.count()
+        self._joined_at: dict[int, float] = {}  # ticket -> monotonic time it joined
         self.num_queued = 0  # requests that had to wait, ever
         self.num_left = 0  # waiters that left the queue, ever (the queue moves while this grows)
+        self.num_streamed = 0  # token events the caller's decode rows streamed, ever (`streamed`)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -45,11 +48,13 @@ class RoomQueue:
         ticket = next(self._tickets)
         heapq.heappush(self._heap, (rank, key, ticket))
         self._waiting[ticket] = (rank, asyncio.Event())
+        self._joined_at[ticket] = time.monotonic()
         self.num_queued += 1
         self._wake_head()  # the newcomer may be the new head
         return ticket
 
     def leave(self, ticket: int) -> None:
+        self._joined_at.pop(ticket, None)
         if self._waiting.pop(ticket, None) is not None:
             self.num_left += 1
             self._wake_head()
@@ -57,6 +62,14 @@ class RoomQueue:
     def release(self) -> None:
         """A row of this caller's may have freed: the head asks again."""
         self._wake_head()
+
+    def streamed(self) -> None:
+        """A row of this caller's streamed a token: the rows the waiters wait for are working."""
+        self.num_streamed += 1
+
+    def oldest_wait_s(self) -> float:
+        """How long the longest waiter has waited so far; 0 when nobody waits."""
+        return time.monotonic() - min(self._joined_at.values()) if self._joined_at else 0.0
 
     def interactive_waiting(self) -> bool:
         return any(rank == 0 for rank, _ in self._waiting.values())
@@ -92,25 +105,37 @@ class RoomQueue:
 
 class Patience:
     """One waiter's clock: it waits `wait_s` after the queue last moved (a waiter left it, a decode
-    worker joined), and on while capacity is on its way (`coming`: a decode worker being added),
-    but never past `wait_s + grace_s` in all."""
+    worker joined, a row streamed: `RoomQueue.num_streamed`, or `worker_steps`, the decode rows the
+    workers report, changed: rows held by other callers' requests), and on while capacity is on its
+    way (`coming`: a decode worker being added), but never past `max_wait_s` in all."""
 
     def __init__(self, room: RoomQueue, decodes: Callable[[], Iterable[str]], coming: Callable[[], bool],
-                 wait_s: float, grace_s: float) -> None:
+                 wait_s: float, max_wait_s: float, worker_steps: Callable[[], int] = lambda: 0) -> None:
         self.start = time.monotonic()
-        self.wait_s = wait_s
-        self._room, self._decodes, self._coming = room, decodes, coming
-        self._seen = (set(decodes()), room.num_left)
+        self.wait_s, self.max_wait_s = wait_s, max(wait_s, max_wait_s)
+        self._room, self._decodes, self._coming, self._steps = room, decodes, coming, worker_steps
+        self._seen = self._state()
         self._deadline = self.start + wait_s
-        self._limit = self.start + wait_s + grace_s
+        self._limit = self.start + self.max_wait_s
+
+    def _state(self) -> tuple[set[str], int, int, int]:
+        return set(self._decodes()), self._room.num_left, self._room.num_streamed, self._steps()
 
     def left_s(self) -> float:
         """Seconds this waiter may still wait; 0 once its wait is over."""
         now = time.monotonic()
-        decodes, left = set(self._decodes()), self._room.num_left
-        if not decodes <= self._seen[0] or left != self._seen[1]:  # the queue moved
+        state = self._state()
+        if not state[0] <= self._seen[0] or state[1:] != self._seen[1:]:  # the queue moved
             self._deadline = min(self._limit, now + self.wait_s)
-        self._seen = (decodes, left)
+        self._seen = state
         if now >= self._deadline and self._coming():
             self._deadline = min(self._limit, now + self._room.poll_s)
         return max(0.0, self._deadline - now)
+
+    def why_over(self) -> str:
+        """Why the wait ended, for the refusal: the bound, or a queue where nothing moved."""
+        waited = time.monotonic() - self.start
+        if self.start + self.max_wait_s - time.monotonic() <= 0:
+            return f"it waited {waited:.0f}s, the most a request waits for a row (room_max_wait_s)"
+        return (f"nothing moved for {self.wait_s:g}s: no row freed or streamed, no decode worker joined or "
+                f"coming (waited {waited:.0f}s)")

@@ -11,6 +11,7 @@ from typing import Any
 
 from actors.engine.memory import KVPlan
 from actors.messages import WorkerLoad
+from cluster.router.config import RouterConfig
 from cluster.router.room import RoomQueue
 from deploy.cluster_backend import ClusterBackend, can_serve
 
@@ -33,6 +34,7 @@ class Client:
         self._loads = {w.name: w for w in loads}
         self.replacements = Replacements(replacing)
         self.room = RoomQueue()
+        self.cfg = RouterConfig(room_wait_s=30.0, room_max_wait_s=300.0)
 
     def capacity_coming(self) -> bool:
         return bool(self.replacements.replacing)
@@ -73,8 +75,10 @@ def test_requests_waiting_for_a_decode_row_are_reported() -> None:
         client.room.join(1, 0.0)
         return await ClusterBackend(client, None, "m", 100).health()  # type: ignore[arg-type]
 
-    assert asyncio.run(main())["row_queue"] == {"waiting": 1, "num_queued": 1, "interactive_waiting": False,
-                                                 "capacity_coming": False}
+    queue = asyncio.run(main())["row_queue"]
+    assert queue.pop("oldest_wait_s") >= 0
+    assert queue == {"waiting": 1, "num_queued": 1, "interactive_waiting": False, "capacity_coming": False,
+                     "stall_after_s": 30.0, "max_wait_s": 300.0}
     assert health([load("d0", "decode")])["row_queue"]["waiting"] == 0
 
 

@@ -2,8 +2,9 @@
 worker handles (no Ray): a request refused for lack of rows waits and gets the next free row
 instead of a 429; interactive requests get rows before batch ones that waited longer; a new
 request does not jump the queue unless it outranks it; a wait past `room_wait_s` is refused;
-`room_wait_s=0` refuses at once, as before; a waiter's `Patience` renews while the queue moves or
-capacity is coming, up to its bound; an interactive request that finds no row stops its
+`room_wait_s=0` refuses at once, as before; a waiter's `Patience` renews while the queue moves (rows
+freed or streaming, workers stepping rows of other callers) or capacity is coming, up to
+`room_max_wait_s`; a busy worker's waiter is served after more than `room_wait_s`; an interactive request that finds no row stops its
 client's batch row that is cheapest to recompute."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from actors.engine.sampling import SamplingParams
 from actors.errors import NoCapacity
-from actors.messages import GenerationRequest
+from actors.messages import GenerationRequest, WorkerLoad
 from cluster.router.choice import PlacementChoice
 from cluster.router.client import Router
 from cluster.router.config import RouterConfig
@@ -71,6 +72,7 @@ class Decode:
         self.rows = rows
         self.taken: list[str] = []
         self.granted: list[str] = []  # every row given, in order
+        self.rows_stepped = 0  # what its load reports as decode rows stepped since it started
 
     async def announce(self, req: GenerationRequest) -> bool:
         if len(self.taken) >= self.rows:
@@ -89,13 +91,18 @@ class Decode:
     def free(self) -> None:
         self.taken.pop(0)
 
+    async def load(self) -> WorkerLoad:
+        return WorkerLoad(self.name, "decode", len(self.taken), 0, 0, 8, 8, 0.01, True,
+                          num_decode_rows=self.rows_stepped)
+
 
 def test_patience_renews_while_the_queue_moves_or_capacity_comes_and_never_past_its_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    q, decodes, coming = RoomQueue(poll_s=0.5), ["d0"], [False]
-    patience = Patience(q, lambda: decodes, lambda: coming[0], wait_s=10.0, grace_s=20.0)
+    q, decodes, coming, steps = RoomQueue(poll_s=0.5), ["d0"], [False], [0]
+    patience = Patience(q, lambda: decodes, lambda: coming[0], wait_s=10.0, max_wait_s=60.0,
+                        worker_steps=lambda: steps[0])
     assert patience.left_s() == 10.0
     now[0] = 108.0
     q.leave(q.join(0, 0.0))  # a waiter got its row: the queue moved
@@ -103,14 +110,21 @@ def test_patience_renews_while_the_queue_moves_or_capacity_comes_and_never_past_
     now[0] = 115.0
     decodes.append("d1")  # a decode worker joined
     assert patience.left_s() == 10.0
-    now[0] = 125.0  # nothing moved for wait_s
-    assert patience.left_s() == 0.0
+    now[0] = 122.0
+    q.streamed()  # a row of this caller's streamed a token: busy, not stalled
+    assert patience.left_s() == 10.0
+    now[0] = 130.0
+    steps[0] += 3  # the workers stepped rows (other callers' requests hold them)
+    assert patience.left_s() == 10.0
+    now[0] = 140.0  # nothing moved for wait_s
+    assert patience.left_s() == 0.0 and "nothing moved for 10s" in patience.why_over()
     coming[0] = True  # a decode worker is being added: wait on, a poll at a time
     assert patience.left_s() == 0.5
-    now[0] = 129.9
-    assert 0 < patience.left_s() <= 0.5
-    now[0] = 130.0  # wait_s + grace_s since the start: over, whatever comes
-    assert patience.left_s() == 0.0
+    now[0] = 155.0
+    q.streamed()
+    assert patience.left_s() == 5.0  # renewed, but never past max_wait_s from its start
+    now[0] = 160.0
+    assert patience.left_s() == 0.0 and "room_max_wait_s" in patience.why_over()
 
 
 def request(rid: str) -> GenerationRequest:
@@ -161,6 +175,38 @@ def test_a_wait_past_room_wait_s_is_refused_and_zero_refuses_at_once() -> None:
 
     assert 0.29 <= asyncio.run(main(0.3)) < 1.5
     assert asyncio.run(main(0.0)) < 0.25  # at once, well before the 0.3 s above
+
+
+def test_a_waiter_on_a_busy_worker_is_served_past_room_wait_s_and_refused_at_room_max_wait_s() -> None:
+    """The rows are held by other callers' requests that keep decoding (the worker's stepped rows
+    grow): a stalled-queue refusal would come at room_wait_s; the waiter gets the row freed after
+    several times that instead, and where no row ever frees, its refusal comes at room_max_wait_s."""
+    async def main(free_after_s: float | None) -> tuple[str, float]:
+        decode = Decode(rows=1)
+        decode.taken.append("elsewhere")
+        c = Router({}, {"d0": decode}, RouterConfig(room_wait_s=0.2, room_max_wait_s=1.5,  # type: ignore[dict-item]
+                                                    load_ttl_s=0.0))
+        c.room.poll_s = 0.02
+        t0 = time.monotonic()
+
+        async def busy() -> None:  # the other caller's row steps, then (maybe) ends
+            while free_after_s is None or time.monotonic() - t0 < free_after_s:
+                decode.rows_stepped += 1
+                await asyncio.sleep(0.05)
+            decode.free()
+
+        stepping = asyncio.ensure_future(busy())
+        try:
+            got = await c._announce_queued(request("r"), PlacementChoice("p0", ("d0",)))
+        except NoCapacity as e:
+            got = str(e)
+        stepping.cancel()
+        return got, time.monotonic() - t0
+
+    got, waited = asyncio.run(main(0.8))
+    assert got == "d0" and 0.8 <= waited < 1.5  # served after 4x room_wait_s, never refused
+    got, waited = asyncio.run(main(None))
+    assert "room_max_wait_s" in got and 1.5 <= waited < 3.0
 
 
 class Scheduled:
