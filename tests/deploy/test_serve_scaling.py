@@ -74,12 +74,18 @@ def test_decode_scales_up_under_a_burst_and_back_down_with_no_request_lost(serve
     engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_blocks=256))
     want = [o.text for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                                    ignore_eos=True))]
-    seen: list[int] = []
+    seen: list[int] = []  # decode replicas Serve has
+    routed: list[int] = []  # decode workers the router lists in /health
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
             seen.append(decode_replicas())
+            try:  # on a loaded box the burst can end, and the advice fall back, before a check after it
+                report = httpx2.get(f"{served}/health", timeout=5).json()
+                routed.append(sum(w["kind"] == "decode" for w in report.get("workers", {}).values()))
+            except httpx2.HTTPError:
+                pass
             time.sleep(0.5)
 
     def ask(prompt: str) -> str:
@@ -95,7 +101,7 @@ def test_decode_scales_up_under_a_burst_and_back_down_with_no_request_lost(serve
             got = list(pool.map(ask, prompts))
         assert got == want  # every request served, exactly
         assert max(seen) == 2, seen  # the burst brought a second decode replica
-        assert decode_workers_seen(served, 60) == 2  # and the router took it in
+        assert max(routed, default=0) == 2 or decode_workers_seen(served, 60) == 2  # and the router took it in
         deadline = time.monotonic() + 120
         while decode_replicas() > 1:  # idle: back to one after down_delay_s
             assert time.monotonic() < deadline, "decode never scaled back down"
