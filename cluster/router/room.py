@@ -29,9 +29,8 @@ class RoomQueue:
             raise ValueError("poll_s must be positive")
         self.poll_s = poll_s
         self._heap: list[tuple[int, float, int]] = []  # (rank, key, ticket); stale tickets deleted lazily
-        self._waiting: dict[int, tuple[int, asyncio.Event]] = {}  # ticket -> (rank, wake-up)
+        self._waiting: dict[int, tuple[int, float, asyncio.Event]] = {}  # ticket -> (rank, joined at, wake-up)
         self._tickets = itertools.count()
-        self._joined_at: dict[int, float] = {}  # ticket -> monotonic time it joined
         self.num_queued = 0  # requests that had to wait, ever
         self.num_left = 0  # waiters that left the queue, ever (the queue moves while this grows)
         self.num_streamed = 0  # token events the caller's decode rows streamed, ever (`streamed`)
@@ -47,14 +46,12 @@ class RoomQueue:
     def join(self, rank: int, key: float) -> int:
         ticket = next(self._tickets)
         heapq.heappush(self._heap, (rank, key, ticket))
-        self._waiting[ticket] = (rank, asyncio.Event())
-        self._joined_at[ticket] = time.monotonic()
+        self._waiting[ticket] = (rank, time.monotonic(), asyncio.Event())
         self.num_queued += 1
         self._wake_head()  # the newcomer may be the new head
         return ticket
 
     def leave(self, ticket: int) -> None:
-        self._joined_at.pop(ticket, None)
         if self._waiting.pop(ticket, None) is not None:
             self.num_left += 1
             self._wake_head()
@@ -69,17 +66,17 @@ class RoomQueue:
 
     def oldest_wait_s(self) -> float:
         """How long the longest waiter has waited so far; 0 when nobody waits."""
-        return time.monotonic() - min(self._joined_at.values()) if self._joined_at else 0.0
+        return time.monotonic() - min(joined for _, joined, _ in self._waiting.values()) if self._waiting else 0.0
 
     def interactive_waiting(self) -> bool:
-        return any(rank == 0 for rank, _ in self._waiting.values())
+        return any(rank == 0 for rank, _, _ in self._waiting.values())
 
     async def turn(self, ticket: int, timeout_s: float) -> bool:
         """Waits until `ticket` heads the queue and a row may have freed (woken, or `poll_s`
         passed); False if `timeout_s` passed first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        _, event = self._waiting[ticket]
+        _, _, event = self._waiting[ticket]
         while True:
             left = deadline - loop.time()
             if left <= 0:
@@ -100,7 +97,7 @@ class RoomQueue:
     def _wake_head(self) -> None:
         head = self._head()
         if head is not None:
-            self._waiting[head][1].set()
+            self._waiting[head][2].set()
 
 
 class Patience:
@@ -135,7 +132,7 @@ class Patience:
     def why_over(self) -> str:
         """Why the wait ended, for the refusal: the bound, or a queue where nothing moved."""
         waited = time.monotonic() - self.start
-        if self.start + self.max_wait_s - time.monotonic() <= 0:
+        if time.monotonic() >= self._limit:
             return f"it waited {waited:.0f}s, the most a request waits for a row (room_max_wait_s)"
         return (f"nothing moved for {self.wait_s:g}s: no row freed or streamed, no decode worker joined or "
                 f"coming (waited {waited:.0f}s)")
