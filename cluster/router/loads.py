@@ -51,6 +51,7 @@ class LoadBoard:
         self.dead: set[str] = set()  # workers seen dead and not replaced since
         self.in_flight: collections.Counter[str] = collections.Counter()  # this router's requests per decode worker
         self._loads: dict[str, WorkerLoad] = {}
+        self._late: set[str] = set()  # workers whose last load call timed out
         self._loads_at = float("-inf")
         self._refresh: asyncio.Task[None] | None = None
 
@@ -122,9 +123,18 @@ class LoadBoard:
             except WorkerGone:
                 self.mark_dead(name)
                 return down
-            except (WorkerTimeout, WorkerUnreachable) as e:
+            except WorkerTimeout as e:
+                last = self._loads.get(name)
+                if name not in self._late and last is not None and last.healthy:  # slow once is not lost:
+                    self._late.add(name)  # a loaded box can miss one poll; keep its last load this once
+                    logger.warning("worker %s is late (%s); keeping its last load for one poll", name, e)
+                    return last
                 logger.warning("worker %s is unhealthy: %s", name, e)
                 return down
+            except WorkerUnreachable as e:
+                logger.warning("worker %s is unhealthy: %s", name, e)
+                return down
+            self._late.discard(name)
             if not load.healthy:  # its engine loop died: it never steps again
                 self.mark_dead(name)
             return replace(load, name=name)  # our key is the name placement answers with
