@@ -10,6 +10,8 @@ Mental model: each role has a pressure, 1.0 meaning "at its SLO limit now":
 the pressure has stayed at or above `up_at` for `up_delay_s`; one fewer once the pressure the
 remaining workers would carry (pressure x n / (n - 1)) has stayed at or below `down_at` for
 `down_delay_s`; never outside [min, max]. A role that is idle goes down to its minimum the same way.
+A role none of whose workers reads healthy now (their load calls time out on a loaded box, or all
+died) has no pressure to go on: its target holds (an empty role's 0 once scaled decode down mid-burst).
 With `join_wait_s` > 0, never down while the worker it last added has not joined yet (a replica
 starts in tens of seconds, its node in more), unless it has not joined for `join_wait_s`: the
 pressure of the workers there are says nothing about the one still coming, and stopping it mid-start
@@ -81,6 +83,10 @@ class _Role:
                 return b.min_replicas
             self.target = min(max(current, b.min_replicas), b.max_replicas)
         n = self.target
+        if current == 0:  # every worker of the role reads down (slow load calls on a loaded box, or
+            # all dead): their pressure of 0 says nothing, so hold the target and restart both delays
+            self._high_since = self._low_since = None
+            return n
         high = pressure >= cfg.up_at
         low = pressure * n / max(n - 1, 1) <= cfg.down_at  # what the others would carry without one
         self._high_since = (self._high_since if self._high_since is not None else now) if high else None

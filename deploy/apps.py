@@ -213,6 +213,8 @@ class FerryIngress:
         app = build_api(self.backend, self.cfg.api, semantic=self.semantic,
                         policies=self.scheduler_cfg.request_policies())
         self.monitoring.mount(app)
+        if self.scaler is not None:
+            app.state.hooks.health_parts["scaling"] = self.scaler.health
         if self._routing_view is not None:
             app.state.hooks.health_parts["moe"] = self._routing_view.health
         served = list(self.cfg.api.served_model_names) or [self.backend.model_name]

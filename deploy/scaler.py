@@ -7,7 +7,8 @@ set, sets the deployment's target through Serve's external-scaler API (the app r
 `external_scaler_enabled`). Serve starts or stops the replicas: a new one joins the router when the
 ingress finds it (`ServeWorkers.discover`, asked at once here); one that Serve stops finishes its
 streams first (graceful shutdown), and a stream it could not finish resumes elsewhere (recovery).
-Every change is logged with the pressures behind it, and kept in `history` for `/health`.
+Every change is logged with the pressures behind it, and kept in `history`; `/health` shows it under
+`scaling`, with the last advice (the counts and pressures the scheduler gave) and what was applied.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.scaling import ScaleAdvice
 
@@ -42,6 +44,8 @@ class ReplicaScaler:
         self.interval_s = interval_s
         self.applied: dict[str, int] = {role: n for role, (_, n) in deployments.items()}
         self.history: list[ScaleChange] = []
+        self.last: ScaleAdvice | None = None  # the last advice the scheduler gave
+        self.last_at: float | None = None  # time.time() of it
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -58,6 +62,8 @@ class ReplicaScaler:
 
     async def step(self) -> None:
         advice = await self.advise()
+        if advice is not None:
+            self.last, self.last_at = advice, time.time()
         if advice is None or not (advice.num_prefill or advice.num_decode):
             return  # no advice, or given before any worker reported
         changed = False
@@ -67,13 +73,25 @@ class ReplicaScaler:
             if self.applied.get(role) == want:
                 continue
             await self.set_replicas(name, want)
-            logger.warning("scaling %s from %d to %d replicas (pressure %.2f)", name, self.applied[role], want,
-                           pressure)
+            seen = advice.num_prefill if role == "prefill" else advice.num_decode
+            logger.warning("scaling %s from %d to %d replicas (pressure %.2f over %d healthy)", name,
+                           self.applied[role], want, pressure, seen)
             self.history.append(ScaleChange(time.time(), name, want, pressure))
             self.applied[role] = want
             changed = True
         if changed and self.on_change is not None:
             await self.on_change()
+
+    def health(self) -> dict[str, Any]:
+        """For `/health`: what was applied, the last advice with its pressures, the last changes."""
+        a = self.last
+        advice = None if a is None else {
+            "prefill": a.prefill, "decode": a.decode, "prefill_pressure": round(a.prefill_pressure, 3),
+            "decode_pressure": round(a.decode_pressure, 3), "num_prefill": a.num_prefill, "num_decode": a.num_decode,
+            "age_s": round(time.time() - (self.last_at or 0.0), 1)}
+        return {"applied": dict(self.applied), "advice": advice,
+                "changes": [{"at": c.at, "deployment": c.deployment, "replicas": c.replicas,
+                             "pressure": round(c.pressure, 3)} for c in self.history[-20:]]}
 
     def close(self) -> None:
         if self._task is not None and not self._task.done():

@@ -90,11 +90,15 @@ class LoadBoard:
         """Until `discover` has found a worker (Serve replicas still starting when the ingress took its
         first request), at most `timeout_s`; at once when some are known or nothing discovers them."""
         deadline = time.monotonic() + timeout_s
+        discovered = False
         while self.discover is not None and not (self.prefills or self.decodes) and time.monotonic() < deadline:
             await self._discover()
+            discovered = True
             if not (self.prefills or self.decodes):
                 await asyncio.sleep(0.5)
-        if self.prefills or self.decodes:
+        # Only a discovery run here restarts the interval: a request that found workers known must not
+        # (under steady traffic that postponed every periodic discovery, so a scaled-up replica never joined).
+        if discovered and (self.prefills or self.decodes):
             self._discovered_at = time.monotonic()
 
     async def _discover(self) -> None:
@@ -123,15 +127,12 @@ class LoadBoard:
             except WorkerGone:
                 self.mark_dead(name)
                 return down
-            except WorkerTimeout as e:
+            except (WorkerTimeout, WorkerUnreachable) as e:
                 last = self._loads.get(name)
-                if name not in self._late and last is not None and last.healthy:  # slow once is not lost:
-                    self._late.add(name)  # a loaded box can miss one poll; keep its last load this once
+                if isinstance(e, WorkerTimeout) and name not in self._late and last is not None and last.healthy:
+                    self._late.add(name)  # slow once is not lost: a loaded box can miss one poll
                     logger.warning("worker %s is late (%s); keeping its last load for one poll", name, e)
                     return last
-                logger.warning("worker %s is unhealthy: %s", name, e)
-                return down
-            except WorkerUnreachable as e:
                 logger.warning("worker %s is unhealthy: %s", name, e)
                 return down
             self._late.discard(name)
@@ -159,6 +160,7 @@ class LoadBoard:
         return False if load.healthy else self.mark_dead(name)
 
     def mark_dead(self, name: str) -> bool:
+        self._late.discard(name)
         if name not in self.dead:
             logger.warning("worker %s is dead; excluded from placement", name)
             self.dead.add(name)

@@ -7,14 +7,21 @@ named as for actors: a replica that is gone (`WorkerGone` from the router, Serve
 `ReplicaUnavailableError`, a dead actor) is `WorkerGone`; any other Ray actor error is
 `WorkerUnreachable`. A discarded stream is read to its end in the background (the worker has been
 told to abort it), never cancelled from here: Serve's cancel may block the event loop.
+Every call is sent as a request of its own (`_own`): Serve's router tells pending calls apart by
+an internal request id that a call made inside a request (an HTTP stream, or a task it spawned,
+such as the load polls) inherits from it, so calls pinned to different replicas under one request
+matched each other's routing: a call ran on another call's replica, or waited until another's
+routing fulfilled it (seen: a new decode replica's loads answered late or by the old one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -23,6 +30,17 @@ from cluster.router.handles import WorkerGone
 from cluster.router.ray_handles import drain_in_background, named_failure
 
 T = TypeVar("T")
+
+
+def _own(method: Any, *args: Any) -> Any:
+    """`method.remote(*args)` with an internal request id of its own (Serve reads it from the request
+    context when the call is made; an empty one makes it draw a fresh one)."""
+    ctx = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=""))
+    try:
+        return method.remote(*args)
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 async def _call(name: str, response: Awaitable[T]) -> T:
@@ -64,29 +82,28 @@ class ServeWorkerHandle:
         self._pinned_stream = handle.options(multiplexed_model_id=replica_id, stream=True)
 
     async def load(self) -> WorkerLoad:
-        return await _call(self.name, self._pinned.load.remote())
+        return await _call(self.name, _own(self._pinned.load))
 
     async def telemetry(self, cursor: TelemetryCursor | None = None) -> Telemetry:
-        return await _call(self.name, self._pinned.telemetry.remote(cursor))
+        return await _call(self.name, _own(self._pinned.telemetry, cursor))
 
     async def announce(self, req: GenerationRequest) -> bool:
-        return await _call(self.name, self._pinned.announce.remote(req))
+        return await _call(self.name, _own(self._pinned.announce, req))
 
     async def prefill(self, req: GenerationRequest, decode: str) -> PrefillResult:
-        return await _call(self.name, self._pinned.prefill.remote(req, decode))
+        return await _call(self.name, _own(self._pinned.prefill, req, decode))
 
     async def add_peer(self, metadata: bytes) -> str:
-        return await _call(self.name, self._pinned.add_peer.remote(metadata))
+        return await _call(self.name, _own(self._pinned.add_peer, metadata))
 
     def abort(self, request_id: str) -> Awaitable[Any]:
-        return self._pinned.abort.remote(request_id)
+        return _own(self._pinned.abort, request_id)
 
     def prefetch(self, req: GenerationRequest) -> Awaitable[Any]:
-        return self._pinned.prefetch.remote(req)
+        return _own(self._pinned.prefetch, req)
 
     def stream(self, req: GenerationRequest) -> ServeTokenStream:
-        return ServeTokenStream(self.name, self._pinned_stream.generate.remote(req))
+        return ServeTokenStream(self.name, _own(self._pinned_stream.generate, req))
 
     def stream_after_kv(self, request_id: str) -> ServeTokenStream:
-        return ServeTokenStream(self.name, self._pinned_stream.generate_after_kv.remote(
-            request_id))
+        return ServeTokenStream(self.name, _own(self._pinned_stream.generate_after_kv, request_id))

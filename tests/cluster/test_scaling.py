@@ -66,3 +66,15 @@ def test_no_scale_down_while_the_worker_last_added_is_still_starting_unless_it_n
     decode(b, 2.0, 1, 1.0)
     assert decode(b, 30.0, 2, 0.1) == 2  # joined at 30 s: the low spell counts from here
     assert decode(b, 40.0, 2, 0.1) == 1
+
+
+def test_a_role_with_no_worker_seen_holds_its_target() -> None:
+    a = ScaleAdvisor(CFG)
+    for t in (0.0, 2.0):
+        decode(a, t, 1, 1.0)
+    assert decode(a, 3.0, 2, 1.0) == 2
+    for t in (4.0, 10.0, 20.0, 40.0):  # every decode worker reads down: pressure 0 says nothing
+        assert decode(a, t, 0, 0.0) == 2
+    assert decode(a, 41.0, 2, 0.1) == 2  # seen again and low: the delay starts now, not at 4.0
+    assert decode(a, 50.9, 2, 0.1) == 2
+    assert decode(a, 51.0, 2, 0.1) == 1

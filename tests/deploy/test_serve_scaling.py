@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PORT = 8324
 APP = "ferry-scaling"
 MAX_TOKENS = 300
-BURST = 24  # streams in flight
-REFILLS = 48  # distinct prompts for the streams that replace finished ones (then they repeat)
+BURST = 6  # streams in flight: 3x one replica's 2 rows (more starves a 2-core box: calls to the replicas time out)
+REFILLS = 30  # distinct prompts for the streams that replace finished ones (then they repeat)
 BURST_LIMIT_S = 300  # the most a replica may take to start and join under the burst
 
 
@@ -75,13 +75,13 @@ def test_decode_scales_up_under_a_burst_and_back_down_with_no_request_lost(serve
             busy.append(sum(w["kind"] == "decode" and w["running"] > 0 for w in workers))
             if busy[-1] == 2:
                 taken_in.set()
-            time.sleep(0.5)
+            time.sleep(1.0)
 
     def ask(i: int) -> tuple[int, str]:
         body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True}
         r = httpx2.post(f"{served}/v1/completions", json=body, timeout=600)
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, f"{r.status_code} {r.text} {dict(r.headers)}"
         return i, r.json()["choices"][0]["text"]
 
     # The burst lasts until the new replica takes work, however long its start takes on this box: a
@@ -108,7 +108,10 @@ def test_decode_scales_up_under_a_burst_and_back_down_with_no_request_lost(serve
         assert taken_in.is_set(), f"the new decode replica took no work in {BURST_LIMIT_S}s of burst: {busy}"
         deadline = time.monotonic() + 120
         while decode_replicas() > 1:  # idle: back to one after down_delay_s
-            assert time.monotonic() < deadline, "decode never scaled back down"
+            if time.monotonic() > deadline:
+                health = httpx2.get(f"{served}/health", timeout=10).json()
+                pytest.fail(f"decode never scaled back down: scaling {health.get('scaling')}, "
+                            f"workers {health.get('workers')}")
             time.sleep(1)
     finally:
         done.set()
