@@ -62,11 +62,12 @@ def test_pinned_calls_in_one_request_reach_their_replicas_concurrently(ray_clust
             streams = await asyncio.gather(*(read(h) for _ in range(STREAMS) for h in handles))
             return calls, streams
 
-    handle = serve.run(Caller.bind(Worker.bind()), name="pinned-calls", route_prefix=None)
+    serve.start(proxy_location="Disabled")  # handle calls only: no HTTP proxy
     try:
+        handle = serve.run(Caller.bind(Worker.bind()), name="pinned-calls", route_prefix=None)
         calls, streams = handle.run.remote().result(timeout_s=120)
     finally:
-        serve.delete("pinned-calls")
+        serve.shutdown()  # the next test in this worker starts Serve with its own HTTP options
     assert len({want for want, _ in calls}) == 2
     assert all(got == want for want, got in calls), calls
     assert all(got == [want] for want, got in streams), streams
