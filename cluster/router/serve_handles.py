@@ -12,6 +12,8 @@ an internal request id that a call made inside a request (an HTTP stream, or a t
 such as the load polls) inherits from it, so calls pinned to different replicas under one request
 matched each other's routing: a call ran on another call's replica, or waited until another's
 routing fulfilled it (seen: a new decode replica's loads answered late or by the old one).
+So Serve no longer cancels them with the request (it finds a request's calls by that id): the router
+ends a call itself (a stream's abort, a discarded stream drained), as it did before.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ def test_recovery_bench_on_the_tiny_model(ray_cluster: ModuleType, tmp_path: Pat
 
     model = write_tiny_model(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
     # Three of the four (scenario, recovery) pairs: without a replacement, shadows are tried with one.
-    args = argparse.Namespace(model=str(model), streams=3, max_tokens=48, kill_after=12, dtype="float32",
+    # 160 tokens: in shadow mode the kill waits for the shadows to land in the pool, and on a loaded box
+    # 48-token streams once ended first (the kill never came).
+    args = argparse.Namespace(model=str(model), streams=3, max_tokens=160, kill_after=12, dtype="float32",
                               scenarios=["1P+1D replace"], kv_recovery=["shadow", "recompute"])
     figures = asyncio.run(bench(args))
     args.scenarios, args.kv_recovery = ["1P+1D no-replace"], ["recompute"]
