@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PORT = 8324
 APP = "ferry-scaling"
 MAX_TOKENS = 300
-BURST = 6  # streams in flight: 3x one replica's 2 rows (more starves a 2-core box: calls to the replicas time out)
-REFILLS = 30  # distinct prompts for the streams that replace finished ones (then they repeat)
+BURST = 24  # streams in flight: 12x one replica's 2 rows
+REFILLS = 48  # distinct prompts for the streams that replace finished ones (then they repeat)
 BURST_LIMIT_S = 300  # the most a replica may take to start and join under the burst
 
 
