@@ -67,6 +67,12 @@ class ScaleAdvice:
     num_prefill: int  # healthy workers the scheduler sees now
     num_decode: int
 
+    def of(self, role: str) -> tuple[int, float, int]:
+        """(replicas, pressure, healthy workers) of `role` ("prefill" or "decode")."""
+        if role == "prefill":
+            return self.prefill, self.prefill_pressure, self.num_prefill
+        return self.decode, self.decode_pressure, self.num_decode
+
 
 class _Role:
     def __init__(self, bounds: RoleBounds) -> None:

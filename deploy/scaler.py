@@ -7,22 +7,26 @@ set, sets the deployment's target through Serve's external-scaler API (the app r
 `external_scaler_enabled`). Serve starts or stops the replicas: a new one joins the router when the
 ingress finds it (`ServeWorkers.discover`, asked at once here); one that Serve stops finishes its
 streams first (graceful shutdown), and a stream it could not finish resumes elsewhere (recovery).
-Every change is logged with the pressures behind it, and kept in `history`; `/health` shows it under
-`scaling`, with the last advice (the counts and pressures the scheduler gave) and what was applied.
+Every change is logged with the pressures behind it, and the last ones are kept in `history`; `/health`
+shows them under `scaling`, with the last advice (the counts and pressures the scheduler gave) and
+what was applied.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from cluster.scaling import ScaleAdvice
 
 logger = logging.getLogger(__name__)
+
+HISTORY = 20  # changes kept (and shown in /health): an app scaling for weeks must not grow a list
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,9 @@ class ReplicaScaler:
         self.on_change = on_change
         self.interval_s = interval_s
         self.applied: dict[str, int] = {role: n for role, (_, n) in deployments.items()}
-        self.history: list[ScaleChange] = []
+        self.history: collections.deque[ScaleChange] = collections.deque(maxlen=HISTORY)
         self.last: ScaleAdvice | None = None  # the last advice the scheduler gave
-        self.last_at: float | None = None  # time.time() of it
+        self.last_at = 0.0  # time.time() of it
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -68,12 +72,10 @@ class ReplicaScaler:
             return  # no advice, or given before any worker reported
         changed = False
         for role, name in self.deployments.items():
-            want = advice.prefill if role == "prefill" else advice.decode
-            pressure = advice.prefill_pressure if role == "prefill" else advice.decode_pressure
+            want, pressure, seen = advice.of(role)
             if self.applied.get(role) == want:
                 continue
             await self.set_replicas(name, want)
-            seen = advice.num_prefill if role == "prefill" else advice.num_decode
             logger.warning("scaling %s from %d to %d replicas (pressure %.2f over %d healthy)", name,
                            self.applied[role], want, pressure, seen)
             self.history.append(ScaleChange(time.time(), name, want, pressure))
@@ -84,14 +86,8 @@ class ReplicaScaler:
 
     def health(self) -> dict[str, Any]:
         """For `/health`: what was applied, the last advice with its pressures, the last changes."""
-        a = self.last
-        advice = None if a is None else {
-            "prefill": a.prefill, "decode": a.decode, "prefill_pressure": round(a.prefill_pressure, 3),
-            "decode_pressure": round(a.decode_pressure, 3), "num_prefill": a.num_prefill, "num_decode": a.num_decode,
-            "age_s": round(time.time() - (self.last_at or 0.0), 1)}
-        return {"applied": dict(self.applied), "advice": advice,
-                "changes": [{"at": c.at, "deployment": c.deployment, "replicas": c.replicas,
-                             "pressure": round(c.pressure, 3)} for c in self.history[-20:]]}
+        advice = None if self.last is None else {**asdict(self.last), "age_s": round(time.time() - self.last_at, 1)}
+        return {"applied": dict(self.applied), "advice": advice, "changes": [asdict(c) for c in self.history]}
 
     def close(self) -> None:
         if self._task is not None and not self._task.done():

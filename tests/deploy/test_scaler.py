@@ -49,3 +49,26 @@ def test_changes_are_applied_once_and_shown_in_health() -> None:
     assert health["advice"]["num_decode"] == 2
     assert [(c["deployment"], c["replicas"], c["pressure"]) for c in health["changes"]] == [
         ("decode", 2, 0.9), ("decode", 1, 0.0)]
+
+
+def test_only_the_last_changes_are_kept() -> None:
+    from deploy.scaler import HISTORY
+
+    flips = iter([ScaleAdvice(1, 1 + i % 2, 0.1, 0.5, 1, 1) for i in range(1, 2 * HISTORY + 2)])
+
+    async def advise() -> ScaleAdvice | None:
+        return next(flips)
+
+    async def set_replicas(name: str, n: int) -> None:
+        pass
+
+    scaler = ReplicaScaler(advise, set_replicas, {"decode": ("decode", 1)})
+
+    async def run() -> None:
+        for _ in range(2 * HISTORY + 1):
+            await scaler.step()
+
+    asyncio.run(run())
+    changes = scaler.health()["changes"]
+    assert len(changes) == HISTORY
+    assert changes[-1]["replicas"] == 2  # the newest kept, the oldest dropped
